@@ -1,0 +1,44 @@
+"""dspark-hf: lossless speculative decoding for Hugging Face causal LMs with DSpark drafts.
+
+```python
+import dspark_hf                      # registers the Auto classes and the generate() hook
+draft = dspark_hf.DSparkDraftModel.from_target(target)
+out = target.generate(**inputs, assistant_model=draft)
+print(draft.last_generation_stats.tau)
+```
+
+Importing this package stays light: it pulls in torch and transformers only (no accelerate, peft, datasets,
+gradio or evaluate).
+"""
+
+__version__ = "0.1.0"
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration import DSparkConfig, default_target_layer_ids
+from .convert import export_deepspec, load_deepspec_checkpoint
+from .generation import DSparkCandidateGenerator, install_generate_hook
+from .modeling import DSparkDraftModel, DSparkOutput
+from .scheduler import FixedPolicy, ThresholdPolicy, VerificationPolicy, resolve_policy
+from .stats import GenerationStats, RoundStats
+
+AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
+AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
+install_generate_hook()
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "DSparkConfig",
+    "DSparkDraftModel",
+    "DSparkOutput",
+    "FixedPolicy",
+    "GenerationStats",
+    "RoundStats",
+    "ThresholdPolicy",
+    "VerificationPolicy",
+    "default_target_layer_ids",
+    "export_deepspec",
+    "load_deepspec_checkpoint",
+    "resolve_policy",
+    "__version__",
+]

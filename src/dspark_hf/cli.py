@@ -1,0 +1,39 @@
+"""The `dspark` command line: one entry point, one module per subcommand (imported only when used)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module under dspark_hf.commands exposing `add_arguments(parser)` and `main(args)`
+COMMANDS = {
+    "generate": ("generate", "Speculative generation with a target and a DSpark draft; prints τ and the speedup."),
+    "export": ("export", "Export a draft to DeepSpec's format (what vLLM / SGLang serve)."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for Hugging Face models.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"dspark-hf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"dspark_hf.commands.{module}").add_arguments(cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"dspark_hf.commands.{COMMANDS[args.command][0]}")
+    return module.main(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

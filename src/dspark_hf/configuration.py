@@ -1,0 +1,263 @@
+"""`DSparkConfig`: every hyper-parameter of a DSpark draft, validated on construction.
+
+The config describes the draft only. It records *where it came from* (the target's name, revision
+and shape, the package version) but never copies the target's own config, so a draft checkpoint stays
+small and readable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Spread `num_features` target layers evenly from layer 1 to layer `L - 3`.
+
+    This is the rule DFlash and DSpark use: early layers carry the lexical context, later ones the
+    prediction, and the last layers are skipped because their output is already specialised for the
+    target's own next-token head (the final `hidden_states` entry in transformers is even post-norm).
+
+    Args:
+        num_target_layers (`int`): number of decoder layers `L` of the target.
+        num_features (`int`, *optional*, defaults to 5): how many layers to take (`m`).
+
+    Returns:
+        `list[int]`: sorted, distinct 0-based layer indices, all `< L - 1`.
+    """
+    if num_target_layers < 2:
+        raise ValueError(
+            f"The target has {num_target_layers} decoder layer(s); a DSpark draft needs a target with at least 2 "
+            "so that it can read a layer other than the final one."
+        )
+    if num_features == 1 or num_target_layers < 5:
+        return [max(0, min(num_target_layers // 2, num_target_layers - 2))]
+    last = num_target_layers - 3
+    ids = [round(1 + i * (last - 1) / (num_features - 1)) for i in range(num_features)]
+    return sorted(set(ids))
+
+
+class DSparkConfig(PreTrainedConfig):
+    r"""Configuration of a [`DSparkDraftModel`].
+
+    A DSpark draft has three parts: a *parallel backbone* that reads fused hidden states of the target
+    and drafts a block of `block_size` tokens in one forward pass, a *sequential head* that corrects
+    each drafted token's logits given the previous drafted token, and a *confidence head* that
+    estimates how likely each drafted token is to survive verification.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 32000):
+            Vocabulary size; must equal the target's (the draft uses the target's embedding and LM head).
+        hidden_size (`int`, *optional*, defaults to 1024):
+            Width of the draft layers; must equal the target's hidden size.
+        intermediate_size (`int`, *optional*, defaults to 2816): width of the draft layers' SwiGLU MLP.
+        num_hidden_layers (`int`, *optional*, defaults to 5): number of draft decoder layers.
+        num_attention_heads (`int`, *optional*, defaults to 16): query heads per draft layer.
+        num_key_value_heads (`int`, *optional*, defaults to 8): key/value heads per draft layer (GQA).
+        head_dim (`int`, *optional*): per-head width; defaults to `hidden_size // num_attention_heads`.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-6): epsilon of every RMSNorm.
+        rope_theta (`float`, *optional*, defaults to 10000.0): rotary base of the draft layers.
+        max_position_embeddings (`int`, *optional*, defaults to 32768): longest context the draft expects.
+        attention_bias (`bool`, *optional*, defaults to `False`): bias on the q/k/v/o projections.
+        initializer_range (`float`, *optional*, defaults to 0.02): std of the normal weight init.
+        block_size (`int`, *optional*, defaults to 7): γ, the number of tokens drafted per round.
+        target_layer_ids (`list[int]`, *optional*):
+            0-based target layers whose outputs form the context features. Defaults to
+            [`default_target_layer_ids`] of `target_num_hidden_layers`.
+        mask_token_id (`int`, *optional*):
+            Token whose (target) embedding fills the block slots after the anchor. Any id the target
+            never produces works; defaults to the last id of the vocabulary.
+        sequential_head (`str`, *optional*, defaults to `"markov"`):
+            `"markov"` (low-rank first-order transition bias), `"gated"`, `"rnn"`, or `"none"`
+            (plain DFlash-style parallel drafting).
+        markov_rank (`int`, *optional*, defaults to 256): rank `r` of the sequential head.
+        confidence_head (`bool`, *optional*, defaults to `True`): whether the draft predicts survival.
+        confidence_with_markov (`bool`, *optional*, defaults to `True`):
+            feed the previous token's Markov embedding to the confidence head besides the hidden state
+            (ignored when `sequential_head="none"`).
+        calibration_temperatures (`list[float]`, *optional*):
+            one temperature per block position, applied to the confidence logits (Sequential
+            Temperature Scaling). Defaults to all 1.0 (uncalibrated).
+        target_name_or_path (`str`, *optional*): provenance: the target this draft was built for.
+        target_revision (`str`, *optional*): provenance: the target's revision (commit or tag).
+        target_hidden_size (`int`, *optional*): provenance: the target's hidden size.
+        target_vocab_size (`int`, *optional*): provenance: the target's vocabulary size.
+        target_num_hidden_layers (`int`, *optional*): provenance: the target's number of decoder layers.
+        dspark_version (`str`, *optional*): provenance: the `dspark_hf` version that wrote the config.
+    """
+
+    model_type = "dspark"
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    block_size: int = 7
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    sequential_head: str = "markov"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    calibration_temperatures: list[float] | None = None
+    target_name_or_path: str | None = None
+    target_revision: str | None = None
+    target_hidden_size: int | None = None
+    target_vocab_size: int | None = None
+    target_num_hidden_layers: int | None = None
+    dspark_version: str | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        from . import __version__
+
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.target_vocab_size is None:
+            self.target_vocab_size = self.vocab_size
+        if self.mask_token_id is None:
+            self.mask_token_id = self.vocab_size - 1
+        if self.target_layer_ids is None:
+            if self.target_num_hidden_layers is None:
+                raise ValueError(
+                    "DSparkConfig needs either `target_layer_ids` or `target_num_hidden_layers` (from which the "
+                    "default layer ids are derived). Build the config with `DSparkConfig.from_target(target)` or "
+                    "pass one of them."
+                )
+            self.target_layer_ids = default_target_layer_ids(self.target_num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.calibration_temperatures is None:
+            self.calibration_temperatures = [1.0] * self.block_size
+        self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
+        if self.dspark_version is None:
+            self.dspark_version = __version__
+        self.validate_dspark()
+        super().__post_init__(**kwargs)
+
+    # Named `validate_dspark` (not `validate`) so it never shadows transformers' own config checks.
+    def validate_dspark(self) -> None:
+        """Check every field; raise `ValueError` naming the field, the value, what is allowed and the fix."""
+        positive = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DSparkConfig.{name} must be a positive integer, got {value!r}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DSparkConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}); pick a divisor, e.g. the target's KV head count."
+            )
+        if self.sequential_head not in SEQUENTIAL_HEADS:
+            raise ValueError(
+                f"DSparkConfig.sequential_head={self.sequential_head!r} is not supported; choose one of "
+                f"{', '.join(repr(h) for h in SEQUENTIAL_HEADS)} ('none' gives a plain DFlash draft)."
+            )
+        if self.sequential_head != "none" and (not isinstance(self.markov_rank, int) or self.markov_rank < 1):
+            raise ValueError(
+                f"DSparkConfig.markov_rank must be a positive integer when sequential_head={self.sequential_head!r}, "
+                f"got {self.markov_rank!r}. Use e.g. 64-256, or sequential_head='none' for no sequential head."
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"DSparkConfig.mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "use an id the target never generates (e.g. an unused or padded row)."
+            )
+        ids = self.target_layer_ids
+        if not ids:
+            raise ValueError("DSparkConfig.target_layer_ids is empty; give at least one target layer index.")
+        if ids != sorted(set(ids)):
+            raise ValueError(
+                f"DSparkConfig.target_layer_ids={ids} must be strictly increasing without repeats; "
+                f"did you mean {sorted(set(ids))}?"
+            )
+        if ids[0] < 0:
+            raise ValueError(f"DSparkConfig.target_layer_ids={ids} contains a negative index; use 0-based indices.")
+        n = self.target_num_hidden_layers
+        if n is not None and ids[-1] >= n - 1:
+            raise ValueError(
+                f"DSparkConfig.target_layer_ids={ids} is out of range for a target with {n} layers: allowed are "
+                f"0..{n - 2} (the final layer is excluded because its output is normalised for the LM head). "
+                f"The default for this target is {default_target_layer_ids(n) if n >= 2 else 'undefined'}."
+            )
+        if len(self.calibration_temperatures) != self.block_size:
+            raise ValueError(
+                f"DSparkConfig.calibration_temperatures has {len(self.calibration_temperatures)} entries but "
+                f"block_size is {self.block_size}; give one temperature per block position (1.0 = uncalibrated)."
+            )
+        if any(t <= 0 for t in self.calibration_temperatures):
+            raise ValueError(f"DSparkConfig.calibration_temperatures={self.calibration_temperatures} must all be > 0.")
+        if self.target_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"DSparkConfig.hidden_size={self.hidden_size} differs from target_hidden_size="
+                f"{self.target_hidden_size}; the draft shares the target's embedding and LM head, so both must match."
+            )
+        if self.target_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"DSparkConfig.vocab_size={self.vocab_size} differs from target_vocab_size={self.target_vocab_size}; "
+                "the draft shares the target's vocabulary, so both must match."
+            )
+
+    @property
+    def num_target_features(self) -> int:
+        """`int`: number of target layers fused into the context features (`m`)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def uses_markov_feature(self) -> bool:
+        """`bool`: whether the confidence head reads the previous token's Markov embedding."""
+        return self.confidence_with_markov and self.sequential_head != "none"
+
+    @classmethod
+    def from_target(cls, target: Any, **overrides: Any) -> DSparkConfig:
+        """Build a config whose shapes and provenance come from a target model (or its config).
+
+        Args:
+            target (`PreTrainedModel` or `PreTrainedConfig`): the target causal LM or its config.
+            **overrides: any `DSparkConfig` field, e.g. `num_hidden_layers=2, sequential_head="gated"`.
+
+        Returns:
+            `DSparkConfig`
+        """
+        tcfg = getattr(target, "config", target).get_text_config()
+        num_heads = tcfg.num_attention_heads
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        fields: dict[str, Any] = {
+            "vocab_size": tcfg.vocab_size,
+            "hidden_size": tcfg.hidden_size,
+            "intermediate_size": tcfg.intermediate_size,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(tcfg, "num_key_value_heads", None) or num_heads,
+            "head_dim": getattr(tcfg, "head_dim", None) or tcfg.hidden_size // num_heads,
+            "rms_norm_eps": getattr(tcfg, "rms_norm_eps", 1e-6),
+            "rope_theta": float(rope_theta),
+            "max_position_embeddings": getattr(tcfg, "max_position_embeddings", 32768),
+            "target_name_or_path": getattr(tcfg, "_name_or_path", None) or None,
+            "target_revision": getattr(tcfg, "_commit_hash", None),
+            "target_hidden_size": tcfg.hidden_size,
+            "target_vocab_size": tcfg.vocab_size,
+            "target_num_hidden_layers": tcfg.num_hidden_layers,
+        }
+        fields.update(overrides)
+        return cls(**fields)

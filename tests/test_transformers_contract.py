@@ -1,0 +1,87 @@
+"""The private transformers API we rely on, checked loudly, and every non-DSpark mode left untouched."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import GenerationMixin
+from transformers.generation import candidate_generator as cg_module
+from transformers.generation.candidate_generator import CandidateGenerator
+
+import dspark_hf
+from dspark_hf.generation import EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS, install_generate_hook
+from helpers import make_target
+
+
+def test_private_signature_unchanged():
+    original = GenerationMixin._get_candidate_generator._dspark_original
+    assert tuple(inspect.signature(original).parameters) == EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS
+
+
+def test_model_outputs_protocol_present():
+    assert hasattr(CandidateGenerator, "requires_model_outputs")
+    source = inspect.getsource(GenerationMixin._assisted_decoding)
+    for needle in (
+        "requires_model_outputs",
+        "model_kwargs_overrides",
+        "n_last_matches",
+        "model_outputs=outputs",
+        "update_candidate_strategy",
+        "_get_candidate_generator",
+    ):
+        assert needle in source, f"transformers' assisted decoding no longer mentions {needle!r}"
+
+
+def test_hook_installed_once():
+    hooked = GenerationMixin._get_candidate_generator
+    install_generate_hook()
+    assert GenerationMixin._get_candidate_generator is hooked
+    assert getattr(hooked, "_dspark_wrapped", False)
+
+
+def _spy_generators(monkeypatch):
+    made = []
+    hooked = GenerationMixin._get_candidate_generator
+
+    def spy(self, *args, **kwargs):
+        gen = hooked(self, *args, **kwargs)
+        made.append(type(gen))
+        return gen
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    return made
+
+
+def test_other_modes_untouched(monkeypatch):
+    target = make_target("llama", markov=True)
+    assistant = make_target("llama", num_layers=2, seed=5)
+    made = _spy_generators(monkeypatch)
+    ids = torch.randint(0, 96, (1, 12))
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3), ref)
+    assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=assistant), ref)
+    assert made == [cg_module.PromptLookupCandidateGenerator, cg_module.AssistedCandidateGenerator]
+    draft = dspark_hf.DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=8)
+    assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft), ref)
+    assert made[-1] is dspark_hf.DSparkCandidateGenerator
+
+
+def test_import_is_light():
+    """`import dspark_hf` imports none of the heavy optional packages itself.
+
+    transformers' `modeling_utils` imports accelerate whenever accelerate is installed, so accelerate is
+    compared against that baseline; the others must not be imported at all.
+    """
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; heavy = ['accelerate', 'peft', 'datasets', 'gradio', 'evaluate', 'matplotlib']; "
+        "from transformers import PreTrainedModel, GenerationMixin; before = set(sys.modules); "
+        "import dspark_hf; after = set(sys.modules); "
+        "print(sorted({m.split('.')[0] for m in after - before} & set(heavy)), "
+        "sorted(m for m in heavy[1:] if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
