@@ -15,7 +15,7 @@ def _draft(head="markov", **kw):
     torch.manual_seed(3)
     draft = DSparkDraftModel.from_target(target, sequential_head=head, markov_rank=16, num_hidden_layers=2, **kw)
     with torch.no_grad():  # non-trivial norms and biases so every path matters
-        for name, p in draft.named_parameters():
+        for _name, p in draft.named_parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
     return target, draft
