@@ -43,3 +43,28 @@ def test_policy_table(policy, survival, expected):
 )
 def test_resolve(spec, expected):
     assert resolve_policy(spec) == expected
+
+
+def test_policy_precedence_in_generate():
+    """generate(dspark_policy=...) > GenerationConfig.dspark_policy > draft.policy > fixed."""
+    from helpers import make_aligned_draft, make_target
+    from transformers import GenerationConfig
+
+    target = make_target("llama", markov=True)
+    draft = make_aligned_draft(target, "markov")
+    ids = torch.randint(0, 96, (1, 6))
+    kw = dict(max_new_tokens=12, do_sample=False, assistant_model=draft)
+    target.generate(ids, **kw)
+    assert draft.last_generation_stats.policy == repr(FixedPolicy())
+    draft.policy = "fixed:2"
+    target.generate(ids, **kw)
+    assert draft.last_generation_stats.policy == repr(FixedPolicy(2))
+    target.generate(
+        ids, generation_config=GenerationConfig(max_new_tokens=12, dspark_policy="fixed:3"), assistant_model=draft
+    )
+    assert draft.last_generation_stats.policy == repr(FixedPolicy(3))
+    target.generate(ids, dspark_policy="threshold:0.1", **kw)
+    assert draft.last_generation_stats.policy == repr(ThresholdPolicy(0.1))
+    assert draft._call_policy is None  # per call only
+    with pytest.raises(ValueError, match="only applies"):
+        target.generate(ids, max_new_tokens=3, dspark_policy="fixed")

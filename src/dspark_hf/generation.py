@@ -55,8 +55,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
     Args:
         draft ([`DSparkDraftModel`]): the draft, bound to `target`.
         target (`PreTrainedModel`): the model being generated from.
-        generation_config (`GenerationConfig`): the call's generation config. `dspark_policy` (a policy object
-            or string, see [`resolve_policy`]) overrides `draft.policy`.
+        generation_config (`GenerationConfig`): the call's generation config. The verification policy (a
+            policy object or string, see [`resolve_policy`]) is, by precedence: `generate(dspark_policy=...)`,
+            `generation_config.dspark_policy`, `draft.policy`, then `"fixed"`.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
     """
@@ -70,7 +71,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
-        spec = getattr(generation_config, "dspark_policy", None) or draft.policy
+        spec = draft._call_policy or getattr(generation_config, "dspark_policy", None) or draft.policy
         self.policy = resolve_policy(spec, has_confidence=draft.confidence_head is not None)
         layers = [i + 1 for i in self.config.target_layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": layers if _HIDDEN_STATES_BY_INDEX else True}
@@ -284,9 +285,18 @@ def install_generate_hook() -> None:
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
         draft = kwargs.get("assistant_model")
-        if isinstance(draft, DSparkDraftModel):
-            check_target_compatibility(draft.config, self)
-        return original_generate(self, *args, **kwargs)
+        if not isinstance(draft, DSparkDraftModel):
+            if "dspark_policy" in kwargs:
+                raise ValueError("`dspark_policy` only applies with `assistant_model=<DSparkDraftModel>`.")
+            return original_generate(self, *args, **kwargs)
+        check_target_compatibility(draft.config, self)
+        # `dspark_policy=` as a generate() argument applies to this call only; transformers would reject an
+        # unknown keyword, so it is handed to the candidate generator through the draft.
+        draft._call_policy = kwargs.pop("dspark_policy", None)
+        try:
+            return original_generate(self, *args, **kwargs)
+        finally:
+            draft._call_policy = None
 
     generate._dspark_original = original_generate
     GenerationMixin.generate = generate

@@ -223,6 +223,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # register them: they are neither parameters of the draft nor saved with it.
         self._bound: tuple[nn.Module, nn.Module, nn.Module] | None = None
         self.policy = None  # default verification policy for generate(); see dspark_hf.scheduler
+        self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
         self.last_generation_stats = None
         self.post_init()
 
