@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, default_target_layer_ids
+
 from helpers import make_target
 
 

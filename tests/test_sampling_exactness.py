@@ -54,6 +54,7 @@ from scipy import stats
 from transformers import GenerationConfig
 
 from dspark_hf.generation import DSparkCandidateGenerator
+
 from helpers import make_aligned_draft, make_target
 
 VOCAB = 4

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, export_deepspec
 from dspark_hf.convert import is_deepspec_checkpoint
+
 from helpers import make_aligned_draft, make_target
 
 

@@ -47,8 +47,9 @@ def test_resolve(spec, expected):
 
 def test_policy_precedence_in_generate():
     """generate(dspark_policy=...) > GenerationConfig.dspark_policy > draft.policy > fixed."""
-    from helpers import make_aligned_draft, make_target
     from transformers import GenerationConfig
+
+    from helpers import make_aligned_draft, make_target
 
     target = make_target("llama", markov=True)
     draft = make_aligned_draft(target, "markov")

@@ -11,6 +11,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import dspark_hf
 from dspark_hf.generation import EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS, install_generate_hook
+
 from helpers import make_target
 
 
