@@ -60,6 +60,10 @@ def test_other_modes_untouched(monkeypatch):
     made = _spy_generators(monkeypatch)
     ids = torch.randint(0, 96, (1, 12))
     ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    # an EOS id the run never reaches: prompt lookup in transformers < 5.13 needs one to be set
+    unused = next(t for t in range(96) if t not in ref[0].tolist())
+    target.generation_config.eos_token_id = assistant.generation_config.eos_token_id = unused
+    assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False), ref)
     assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3), ref)
     assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=assistant), ref)
     assert made == [cg_module.PromptLookupCandidateGenerator, cg_module.AssistedCandidateGenerator]

@@ -19,7 +19,15 @@ from .configuration import DSparkConfig, default_target_layer_ids
 from .convert import export_deepspec, load_deepspec_checkpoint
 from .generation import DSparkCandidateGenerator, install_generate_hook
 from .modeling import DSparkDraftModel, DSparkOutput
-from .scheduler import FixedPolicy, ThresholdPolicy, VerificationPolicy, resolve_policy
+from .scheduler import (
+    FixedPolicy,
+    HardwareAwarePolicy,
+    LaggedHardwareAwarePolicy,
+    ThresholdPolicy,
+    VerificationPolicy,
+    resolve_policy,
+)
+from .sps import SPSProfile, get_sps_profile, profile_sps
 from .stats import GenerationStats, RoundStats
 
 AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
@@ -33,11 +41,16 @@ __all__ = [
     "DSparkOutput",
     "FixedPolicy",
     "GenerationStats",
+    "HardwareAwarePolicy",
+    "LaggedHardwareAwarePolicy",
+    "SPSProfile",
     "RoundStats",
     "ThresholdPolicy",
     "VerificationPolicy",
     "default_target_layer_ids",
     "export_deepspec",
+    "get_sps_profile",
+    "profile_sps",
     "load_deepspec_checkpoint",
     "resolve_policy",
     "__version__",

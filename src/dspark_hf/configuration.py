@@ -81,6 +81,8 @@ class DSparkConfig(PreTrainedConfig):
         calibration_temperatures (`list[float]`, *optional*):
             one temperature per block position, applied to the confidence logits (Sequential
             Temperature Scaling). Defaults to all 1.0 (uncalibrated).
+        confidence_calibrated (`bool`, *optional*, defaults to `False`): set by calibration; a calibrated
+            draft defaults to the hardware-aware verification policy.
         target_name_or_path (`str`, *optional*): provenance: the target this draft was built for.
         target_revision (`str`, *optional*): provenance: the target's revision (commit or tag).
         target_hidden_size (`int`, *optional*): provenance: the target's hidden size.
@@ -90,6 +92,9 @@ class DSparkConfig(PreTrainedConfig):
     """
 
     model_type = "dspark"
+    # A DSpark config cannot be built without knowing its target; older transformers releases (< 5.20)
+    # instantiate `cls()` to diff against defaults unless told not to.
+    has_no_defaults_at_init = True
 
     vocab_size: int = 32000
     hidden_size: int = 1024
@@ -111,6 +116,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_head: bool = True
     confidence_with_markov: bool = True
     calibration_temperatures: list[float] | None = None
+    confidence_calibrated: bool = False
     target_name_or_path: str | None = None
     target_revision: str | None = None
     target_hidden_size: int | None = None

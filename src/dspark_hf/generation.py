@@ -29,7 +29,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .compat import check_target_compatibility
 from .modeling import DSparkCache, DSparkDraftModel
-from .scheduler import resolve_policy, survival_probabilities
+from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
 
 # Selecting hidden states by index (unselected ones come back as None) saves memory; older releases only
@@ -71,8 +71,19 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        if eos is None and generation_config.eos_token_id is not None:
+            eos = torch.tensor(generation_config.eos_token_id).reshape(-1)
+        self.eos_token_ids = set(eos.reshape(-1).tolist()) if eos is not None else set()
         spec = draft._call_policy or getattr(generation_config, "dspark_policy", None) or draft.policy
-        self.policy = resolve_policy(spec, has_confidence=draft.confidence_head is not None)
+        self.policy = resolve_policy(
+            spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated
+        )
+        self.schedule_context = ScheduleContext()
+        if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
+            from .sps import get_sps_profile
+
+            self.schedule_context.sps = get_sps_profile(target).sps
         layers = [i + 1 for i in self.config.target_layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": layers if _HIDDEN_STATES_BY_INDEX else True}
         self.cache = DSparkCache(len(draft.layers))
@@ -101,7 +112,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             budget = self.max_length - input_ids.shape[1] - 1  # the round always adds one target token
             gamma = min(self.config.block_size, budget)
             if gamma <= 0:  # room for the target's own token only: an ordinary target step
-                self._pending = RoundStats(drafted=[], confidence=[], calibrated_confidence=[], survival=[], verified=0)
+                self._pending = RoundStats(
+                    drafted=[], confidence_logits=[], confidence=[], calibrated_confidence=[], survival=[], verified=0
+                )
                 self._verify_start = time.perf_counter()
                 return input_ids, None
             hidden, base_logits = self._draft_block(input_ids)
@@ -208,9 +221,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
             survival = survival_probabilities(calibrated)
         else:
             raw = calibrated = survival = torch.ones(tokens.numel())
-        length = int(self.policy.choose_lengths(survival[None, :gamma])[0])
+        length = int(self.policy.choose_lengths(survival[None, :gamma], self.schedule_context)[0])
+        # Nothing after an end-of-sequence token can be emitted: verifying it would waste target compute
+        # (and transformers < 5.18 would even accept tokens past it).
+        drafted = tokens.tolist()
+        eos_at = next((i for i, t in enumerate(drafted[:length]) if t in self.eos_token_ids), None)
+        if eos_at is not None:
+            length = eos_at + 1
+        if conf_logits is not None:
+            self.schedule_context.previous_survival = survival[None, :gamma]
         stats = RoundStats(
-            drafted=tokens.tolist(),
+            drafted=drafted,
+            confidence_logits=conf_logits.tolist() if conf_logits is not None else [],
             confidence=raw.tolist() if conf_logits is not None else [],
             calibrated_confidence=calibrated.tolist() if conf_logits is not None else [],
             survival=survival.tolist() if conf_logits is not None else [],

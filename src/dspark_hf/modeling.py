@@ -257,6 +257,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         else:
             kwargs.setdefault("use_safetensors", True)
             draft = super().from_pretrained(path, *args, **kwargs)
+            _own_aligned_storage(draft)
         if target is not None:
             draft.bind_target(target)
         return draft
@@ -426,6 +427,18 @@ def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, bl
     block_id = torch.arange(n * block_size, device=device) // block_size
     see_blk = (block_id[:, None] == block_id[None, :]).expand(bsz, -1, -1)
     return torch.cat([see_ctx, see_blk], dim=-1)[:, None]
+
+
+def _own_aligned_storage(model: nn.Module) -> None:
+    """Give every parameter its own, freshly allocated storage.
+
+    Tensors loaded from safetensors can live at an unaligned offset of a memory-mapped file; CPU math
+    libraries then take a different code path and the last bit of a result may differ from the model
+    that was saved. Copying makes a loaded draft bit-identical to the saved one.
+    """
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.data = tensor.data.clone()
 
 
 def _refuse_pickle(path: str) -> None:

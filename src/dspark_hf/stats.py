@@ -15,6 +15,7 @@ class RoundStats:
 
     Args:
         drafted (`list[int]`): all γ tokens the draft sampled (only the first `verified` went to the target).
+        confidence_logits (`list[float]`): raw confidence-head logits `z_k` (what calibration fits).
         confidence (`list[float]`): raw confidence `σ(z_k)` per drafted position (empty without a head).
         calibrated_confidence (`list[float]`): `σ(z_k / T_k)` after temperature scaling.
         survival (`list[float]`): prefix survival `Π_{i≤k}` of the calibrated confidences.
@@ -26,6 +27,7 @@ class RoundStats:
     """
 
     drafted: list[int]
+    confidence_logits: list[float]
     confidence: list[float]
     calibrated_confidence: list[float]
     survival: list[float]
@@ -75,6 +77,16 @@ class GenerationStats:
         """`float`: mean number of drafted tokens sent to verification per round."""
         return sum(r.verified for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
 
+    @property
+    def mean_predicted_accepted(self) -> float:
+        """`float`: mean accepted drafts per round predicted by the calibrated survival (scheduler's view)."""
+        return sum(r.predicted_accepted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """`float`: mean accepted drafts per round actually realised."""
+        return sum(r.accepted for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
     def time_split(self) -> dict[str, float]:
         """Total seconds spent in the draft backbone, the sequential loop and target verification."""
         return {
@@ -91,6 +103,8 @@ class GenerationStats:
             "rounds": self.num_rounds,
             "tau": self.tau,
             "mean_verified": self.mean_verified,
+            "mean_accepted": self.mean_accepted,
+            "mean_predicted_accepted": self.mean_predicted_accepted,
             "acceptance_by_position": self.acceptance_by_position,
             "time_split": self.time_split(),
         }
