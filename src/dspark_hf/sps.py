@@ -13,6 +13,7 @@ A profile is device-specific: it is never stored inside a draft checkpoint.
 from __future__ import annotations
 
 import bisect
+import inspect
 import json
 import os
 import statistics
@@ -120,7 +121,9 @@ def profile_sps(
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
     cache = DynamicCache(config=target.config)
-    target(prompt, past_key_values=cache, use_cache=True)
+    # transformers renamed `past_key_values` to `cache` (the old name warns in 5.24)
+    cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    target(prompt, use_cache=True, **{cache_kw: cache})
     seconds = {}
     for count in sorted(set(token_counts)):
         ids = torch.randint(0, vocab, (1, count), generator=gen).to(device)
@@ -130,7 +133,7 @@ def profile_sps(
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            target(ids, past_key_values=cache, position_ids=positions, use_cache=True)
+            target(ids, position_ids=positions, use_cache=True, **{cache_kw: cache})
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:
