@@ -10,6 +10,10 @@ import sys
 COMMANDS = {
     "generate": ("generate", "Speculative generation with a target and a DSpark draft; prints τ and the speedup."),
     "export": ("export", "Export a draft to DeepSpec's format (what vLLM / SGLang serve)."),
+    "calibrate": (
+        "calibrate",
+        "Fit the confidence head's temperatures (STS) on held-out prompts; report ECE/AUROC/Brier.",
+    ),
 }
 
 

@@ -185,7 +185,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drawn from, as verification requires) and the confidence logits `[γ]` (or `None`).
         """
         draft = self.draft
-        head, conf_head = draft.markov_head, (draft.confidence_head if self.policy.needs_confidence else None)
+        # Confidences are computed whenever the draft has the head (one dot product per position): the
+        # statistics and calibration want them even when the policy does not.
+        head, conf_head = draft.markov_head, draft.confidence_head
         gamma = base_logits.shape[0]
         prev = input_ids[:, -1].to(draft.device)
         state = head.init_state(1, hidden) if head is not None else None
