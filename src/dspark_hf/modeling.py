@@ -246,13 +246,20 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Load a draft (safetensors only) and optionally bind it to `target`.
 
         Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]`) are converted on the fly.
-        Pickle checkpoints (`pytorch_model.bin`) are refused.
+        Pickle checkpoints (`pytorch_model.bin`) are refused. For a Hub repo id, a missing repo or revision
+        raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.hub`).
         """
         from .convert import is_deepspec_checkpoint, load_deepspec_checkpoint
 
         path = os.fspath(pretrained_model_name_or_path)
         _refuse_pickle(path)
-        if is_deepspec_checkpoint(path, **{k: kwargs[k] for k in ("revision", "token") if k in kwargs}):
+        if os.path.isdir(path):
+            deepspec = is_deepspec_checkpoint(path)
+        else:  # a Hub id
+            from .hub import is_deepspec_repo
+
+            deepspec = is_deepspec_repo(path, **kwargs)
+        if deepspec:
             draft = load_deepspec_checkpoint(path, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
@@ -261,6 +268,22 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if target is not None:
             draft.bind_target(target)
         return draft
+
+    def push_to_hub(self, repo_id: str, *, format: str = "dspark", **kwargs):  # noqa: A002
+        """Push the draft to the Hub: config, safetensors weights and a generated model card, in one commit.
+
+        Args:
+            repo_id (`str`): destination repo, created if missing.
+            format (`str`, *optional*, defaults to `"dspark"`): `"dspark"`, or `"deepspec"` for vLLM / SGLang.
+            **kwargs: see [`dspark_hf.hub.push_draft`] (`revision`, `private`, `token`, `target`, `evaluation`,
+                `training_config`, `license`, `tags`, ...).
+
+        Returns:
+            `huggingface_hub.CommitInfo`
+        """
+        from .hub import push_draft
+
+        return push_draft(self, repo_id, format=format, **kwargs)
 
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
         """Use `target`'s input embedding and LM head (frozen, not copied). Checks compatibility first."""
