@@ -8,8 +8,12 @@ import sys
 
 # subcommand -> module under dspark_hf.commands exposing `add_arguments(parser)` and `main(args)`
 COMMANDS = {
+    "prepare-data": ("prepare_data", "Regenerate responses to prompts with the target; write token ids + loss mask."),
+    "train": ("train", "Train a DSpark/DFlash draft or a LoRA adapter (accelerate; resumable)."),
     "generate": ("generate", "Speculative generation with a target and a DSpark draft; prints τ and the speedup."),
     "export": ("export", "Export a draft to DeepSpec's format (what vLLM / SGLang serve)."),
+    "push": ("push", "Push a draft (config, safetensors weights, model card) to the Hugging Face Hub."),
+    "pull": ("pull", "Download a draft from the Hugging Face Hub by branch, tag or commit."),
     "calibrate": (
         "calibrate",
         "Fit the confidence head's temperatures (STS) on held-out prompts; report ECE/AUROC/Brier.",
