@@ -75,6 +75,8 @@ def test_automodel_without_trust_remote_code(tmp_path):
 def test_deepspec_export_import_round_trip(tmp_path, head):
     target = make_target("qwen3")
     draft = make_aligned_draft(target, head)
+    draft.config.calibration_temperatures = [1.25] * draft.config.block_size
+    draft.config.confidence_calibrated = True
     export_deepspec(draft, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
@@ -87,6 +89,8 @@ def test_deepspec_export_import_round_trip(tmp_path, head):
     assert is_deepspec_checkpoint(str(tmp_path))
     loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)  # auto-detected
     assert loaded.config.sequential_head == head
+    assert loaded.config.calibration_temperatures == [1.25] * draft.config.block_size
+    assert loaded.config.confidence_calibrated
     for a, b in zip(_block_logits(draft), _block_logits(loaded)):
         if a is not None:
             assert torch.equal(a, b)

@@ -106,6 +106,7 @@ def config_from_deepspec(cfg: dict) -> DSparkConfig:
         target_num_hidden_layers=cfg.get("num_target_layers"),
         target_name_or_path=cfg.get("target_name_or_path") or cfg.get("_name_or_path") or None,
         calibration_temperatures=cfg.get("dspark_calibration_temperatures"),
+        confidence_calibrated=bool(cfg.get("dspark_confidence_calibrated", False)),
     )
 
 
@@ -221,6 +222,7 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
         target_name_or_path=c.target_name_or_path,
         # Not part of DeepSpec's format (servers ignore it); keeps STS calibration across a round trip.
         dspark_calibration_temperatures=list(c.calibration_temperatures),
+        dspark_confidence_calibrated=c.confidence_calibrated,
     )
     if c.confidence_head:
         base["confidence_head_with_markov"] = c.uses_markov_feature

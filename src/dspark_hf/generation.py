@@ -57,7 +57,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         target (`PreTrainedModel`): the model being generated from.
         generation_config (`GenerationConfig`): the call's generation config. The verification policy (a
             policy object or string, see [`resolve_policy`]) is, by precedence: `generate(dspark_policy=...)`,
-            `generation_config.dspark_policy`, `draft.policy`, then `"fixed"`.
+            `generation_config.dspark_policy`, `draft.policy`, then `"hardware_aware"` for a draft with a
+            calibrated confidence head and `"fixed"` otherwise.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
     """
@@ -292,7 +293,7 @@ def install_generate_hook() -> None:
             raise ValueError(
                 f"Speculative generate() with a DSpark draft runs one sequence at a time, got a batch of "
                 f"{input_ids.shape[0]}. transformers' assisted decoding is batch-size-1 only; loop over the "
-                "prompts, or use the batched engine for many requests at once."
+                "prompts (a batched engine for many concurrent requests is planned but not part of this release)."
             )
         if assistant_model.bound_target is not self:
             assistant_model.bind_target(self)

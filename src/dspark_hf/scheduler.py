@@ -189,7 +189,7 @@ class HardwareAwarePolicy(VerificationPolicy):
         sps ([`SPSProfile`], *optional*): the target's profile; by default the cached profile of the target
             on this device (measured once, in seconds, on first use).
         background_tokens (`int`, *optional*, defaults to 0): tokens of other requests assumed to share each
-            verification forward (single-request `generate()`; the batched engine passes the real batch).
+            verification forward (single-request `generate()` models the rest of a batch this way).
     """
 
     sps: SPSProfile | None = None

@@ -5,7 +5,8 @@ cost curve on this device. Real curves are jagged (on a 2-core CPU SmolLM2-135M 
 and for 16 tokens, then jumps), so the curve is *measured*, never assumed: [`profile_sps`] times the
 target's forward over `B` new tokens on top of a KV cache of realistic length, for a handful of `B`
 values, in a few seconds. Profiles are cached on disk per (model, device, dtype, context bucket) and
-reused; [`SPSProfile`] interpolates linearly (in time per forward) between measured points.
+reused (keyed by model, device, dtype, CPU thread count and a power-of-two context bucket);
+[`SPSProfile`] interpolates linearly (in time per forward) between measured points.
 
 A profile is device-specific: it is never stored inside a draft checkpoint.
 """

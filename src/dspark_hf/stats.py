@@ -65,7 +65,7 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """`list[float]`: P(draft k accepted | k was verified), k = 1..γ (NaN where never verified)."""
+        """`list[float]`: prefix survival P(first k drafts accepted | k were verified), k = 1..γ (NaN if never)."""
         rates = []
         for k in range(self.block_size):
             verified = [r for r in self.rounds if r.verified > k]

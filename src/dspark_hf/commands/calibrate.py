@@ -47,11 +47,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.prompts} has {len(rows)} prompt(s); calibration needs at least 4 (more is better).")
     inputs = [
         tokenizer.apply_chat_template(
-            to_conversation(r)[:2], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            _first_turn(to_conversation(r)), add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
         for r in rows
     ]
-    cut = max(1, int(round(len(inputs) * (1 - args.held_out_fraction))))
+    cut = min(len(inputs) - 1, max(1, int(round(len(inputs) * (1 - args.held_out_fraction)))))
     torch.manual_seed(args.seed)
     sample = args.temperature > 0
     kwargs = dict(
@@ -78,3 +78,9 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out} (calibrated draft, calibration_report.json, reliability.png)")
     return 0
+
+
+def _first_turn(messages: list[dict]) -> list[dict]:
+    """System message(s) and the first user message: calibration follows the paper's first-turn protocol."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: first_user + 1]

@@ -15,7 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="draft path or Hub id (default: a fresh, untrained draft)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--policy", default=None, help="verification policy: fixed, fixed:N, threshold:T")
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="verification policy: fixed, fixed:N, threshold:T, hardware_aware[:BG], hardware_aware_lagged[:BG]",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each method; medians reported")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
