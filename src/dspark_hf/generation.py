@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,16 @@ EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
     "target_tokenizer",
     "assistant_tokenizer",
 )
+
+
+@dataclass
+class _GuessedPath:
+    """Sequential-head outputs precomputed along a guessed path of previous tokens (greedy drafting)."""
+
+    prev_tokens: list[int]
+    bias: torch.Tensor  # [γ, V]
+    embeds: torch.Tensor  # [γ, r]
+    states: list[torch.Tensor | None]  # head state after each position
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -184,24 +195,35 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
         Returns the drafted tokens `[γ]`, the processed logits `[γ, V]` (the distributions the tokens were
         drawn from, as verification requires) and the confidence logits `[γ]` (or `None`).
+
+        The sequential head's only expensive part is its `r × V` output projection. In greedy mode the
+        biases of a *guessed* path (each previous token = the argmax of the base logits) are projected in
+        one pass over `W2` up front; while the drafted tokens follow the guess they are used as is, and from
+        the first divergence on each position is computed exactly as before. The result is the same either
+        way; only the memory traffic changes.
         """
         draft = self.draft
-        # Confidences are computed whenever the draft has the head (one dot product per position): the
-        # statistics and calibration want them even when the policy does not.
         head, conf_head = draft.markov_head, draft.confidence_head
         gamma = base_logits.shape[0]
-        prev = input_ids[:, -1].to(draft.device)
+        anchor = int(input_ids[0, -1])
+        guess = self._guessed_path(anchor, hidden, base_logits) if head is not None and not self.do_sample else None
+        prev = anchor
         state = head.init_state(1, hidden) if head is not None else None
         seq = input_ids
         tokens, logits_out, conf_out = [], [], []
         for k in range(gamma):
             h_k = hidden[k : k + 1]
-            prev_embed = head.embed(prev) if head is not None else None
             logits = base_logits[k : k + 1]
+            prev_embed = None
             if head is not None:
-                bias, state = head.step(h_k, prev_embed, state)
+                if guess is not None and prev == guess.prev_tokens[k]:
+                    bias, prev_embed, state = guess.bias[k : k + 1], guess.embeds[k : k + 1], guess.states[k]
+                else:
+                    guess = None  # diverged from the guessed path: exact per-position computation from here
+                    prev_embed = head.embed(torch.tensor([prev], device=draft.device))
+                    bias, state = head.step(h_k, prev_embed, state)
                 logits = logits + bias.to(logits.dtype)
-            if conf_head is not None:
+            if conf_head is not None:  # computed under every policy: statistics and calibration read it
                 conf_out.append(conf_head(h_k, prev_embed).float())
             if self.logits_processor:
                 logits = self.logits_processor(seq, logits.to(seq.device)).to(draft.device)
@@ -212,9 +234,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
             tokens.append(token)
             logits_out.append(logits)
             seq = torch.cat([seq, token[None].to(seq.device)], dim=-1)
-            prev = token
+            prev = int(token)
         conf = torch.cat(conf_out) if conf_out else None
         return torch.cat(tokens), torch.cat(logits_out), conf
+
+    def _guessed_path(self, anchor: int, hidden: torch.Tensor, base_logits: torch.Tensor) -> _GuessedPath:
+        """The sequential head along previous tokens `[anchor, argmax U_1, …, argmax U_{γ-1}]`."""
+        head = self.draft.markov_head
+        prev_tokens = torch.cat([torch.tensor([anchor]), base_logits[:-1].argmax(dim=-1).cpu()])
+        features, embeds, states = head.block_features(hidden[None], prev_tokens[None].to(hidden.device))
+        return _GuessedPath(prev_tokens.tolist(), head.project(features[0]), embeds[0], states)
 
     def _schedule(self, tokens: torch.Tensor, conf_logits: torch.Tensor | None, gamma: int) -> tuple[int, RoundStats]:
         """Ask the policy how many of the first `gamma` drafted tokens to verify."""

@@ -41,21 +41,49 @@ class MarkovHead(nn.Module):
         """`W1[x_{k-1}]`: the previous token's transition embedding, `[..., r]`."""
         return self.markov_w1(prev_tokens)
 
+    def features(
+        self, hidden: torch.Tensor, prev_embed: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One position, before the output projection: returns the rank-`r` feature and the next state."""
+        return prev_embed, state
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """`W2 · feature`: the logit bias `[..., V]`. The only `r × V` product, so it is kept separate: a
+        whole block's features can be projected in one pass over `W2` instead of one pass per position."""
+        return self.markov_w2(features)
+
     def step(
         self, hidden: torch.Tensor, prev_embed: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One position: returns the logit bias `[..., V]` and the next state."""
-        return self.markov_w2(prev_embed), state
+        feature, state = self.features(hidden, prev_embed, state)
+        return self.project(feature), state
+
+    def block_features(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """Features of a whole block with the given previous tokens.
+
+        Args:
+            hidden (`torch.Tensor` of shape `(N, γ, d)`): backbone states.
+            prev_tokens (`torch.LongTensor` of shape `(N, γ)`): the token before each position.
+
+        Returns:
+            features `(N, γ, r)`, previous-token embeddings `(N, γ, r)`, and the state after each position.
+        """
+        prev_embed = self.embed(prev_tokens)
+        state = self.init_state(hidden.shape[0], hidden)
+        features, states = [], []
+        for k in range(hidden.shape[1]):
+            feature, state = self.features(hidden[:, k], prev_embed[:, k], state)
+            features.append(feature)
+            states.append(state)
+        return torch.stack(features, dim=1), prev_embed, states
 
     def forward(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced block. `hidden`: `[N, γ, d]`, `prev_tokens`: `[N, γ]` → (bias `[N, γ, V]`, embeds)."""
-        prev_embed = self.embed(prev_tokens)
-        state = self.init_state(hidden.shape[0], hidden)
-        biases = []
-        for k in range(hidden.shape[1]):
-            bias, state = self.step(hidden[:, k], prev_embed[:, k], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=1), prev_embed
+        features, prev_embed, _ = self.block_features(hidden, prev_tokens)
+        return self.project(features), prev_embed
 
 
 class GatedMarkovHead(MarkovHead):
@@ -65,9 +93,9 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(config)
         self.gate_proj = nn.Linear(config.hidden_size + config.markov_rank, config.markov_rank)
 
-    def step(self, hidden, prev_embed, state):
+    def features(self, hidden, prev_embed, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embed], dim=-1)))
-        return self.markov_w2(gate * prev_embed), state
+        return gate * prev_embed, state
 
 
 class RNNHead(MarkovHead):
@@ -84,11 +112,11 @@ class RNNHead(MarkovHead):
     def init_state(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
         return ref.new_zeros(batch, self.rank)
 
-    def step(self, hidden, prev_embed, state):
+    def features(self, hidden, prev_embed, state):
         gate, cand, out = self.joint_proj(torch.cat([state, prev_embed, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), state
+        return torch.tanh(out), state
 
 
 SEQUENTIAL_HEAD_CLASSES = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
