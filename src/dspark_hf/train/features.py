@@ -1,0 +1,212 @@
+"""What the frozen target provides to training: selected layers' hidden states and its final hidden state.
+
+The draft's context features are the raw outputs of the target layers `target_layer_ids`; the target's
+distribution `p` at a position is its LM head applied to its final (post-norm) hidden state there. Both come
+from one forward pass of the target's decoder:
+
+* **online** (default): [`target_features`] runs the target on every micro-batch. Nothing is written to
+  disk; the cost is one target forward per sequence per step.
+* **cached**: [`FeatureCache.build`] runs the target once over a dataset and stores both tensors in
+  safetensors shards; later runs (other hyper-parameters, baselines) read them back instead of running the
+  target. Per token that is `(m + 1)·d` values (≈ 14 KB for SmolLM2-135M in fp32, ≈ 30 KB for Qwen3-4B in
+  bf16), so it pays off only for repeated runs over the same data.
+
+The LM head is applied only at the positions that are actually trained ([`target_logits`]), never to the
+whole `[T, V]` sequence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from packaging import version
+
+from .data import TokenDataset
+
+# transformers >= 5.23 returns only the requested hidden states (the others as None), which saves memory.
+_HIDDEN_STATES_BY_INDEX = version.parse(transformers.__version__) >= version.parse("5.23.0")
+_CACHE_FORMAT = 1
+
+
+@dataclass
+class TargetFeatures:
+    """Target outputs for a batch.
+
+    Args:
+        context (`torch.Tensor` of shape `(B, T, m·d)`): concatenated raw outputs of the selected layers.
+        final (`torch.Tensor` of shape `(B, T, d)`): the final (post-norm) hidden state.
+    """
+
+    context: torch.Tensor
+    final: torch.Tensor
+
+
+def _decoder(target):
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    return decoder if decoder is not None else getattr(target, target.base_model_prefix)
+
+
+@torch.no_grad()
+def target_features(
+    target, layer_ids: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> TargetFeatures:
+    """Run the target's decoder once and return the selected layers' outputs and the final hidden state.
+
+    Layer `l` is `hidden_states[l + 1]` (entry 0 is the embedding output). The LM head is not applied here.
+    """
+    wanted = [i + 1 for i in layer_ids]
+    out = _decoder(target)(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=wanted if _HIDDEN_STATES_BY_INDEX else True,
+        use_cache=False,
+    )
+    context = torch.cat([out.hidden_states[i] for i in wanted], dim=-1)
+    return TargetFeatures(context=context, final=out.last_hidden_state)
+
+
+def target_logits(target, final: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's logits at `positions` (`[B, S]`) from final hidden states `[B, T, d]` → `[B, S, V]`, ≥ fp32."""
+    gathered = torch.gather(final, 1, positions[..., None].expand(-1, -1, final.shape[-1]))
+    head = target.get_output_embeddings()
+    with torch.no_grad():
+        logits = head(gathered.to(head.weight.dtype))
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def pad_features(items: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> TargetFeatures:
+    """Stack per-sequence `(context [T_i, m·d], final [T_i, d])` into right-padded batch tensors of `length`."""
+    ctx = items[0][0].new_zeros(len(items), length, items[0][0].shape[-1])
+    fin = items[0][1].new_zeros(len(items), length, items[0][1].shape[-1])
+    for b, (c, f) in enumerate(items):
+        ctx[b, : c.shape[0]] = c
+        fin[b, : f.shape[0]] = f
+    return TargetFeatures(context=ctx, final=fin)
+
+
+class FeatureCache:
+    """Target features of one dataset on disk: `index.json` plus `shard-NNNNN.safetensors` files.
+
+    Each shard holds `context` `[ΣT, m·d]`, `final` `[ΣT, d]` and `offsets` for `shard_size` consecutive
+    sequences. Shards and the index are written atomically (temporary file, then rename), so an interrupted
+    build resumes with the shards that are complete. The folder name is a key over the data, the target, the
+    layer ids and the dtype, so a changed input never reads stale features.
+
+    Args:
+        folder (`str` or `os.PathLike`): a folder written by [`FeatureCache.build`].
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index_path = self.folder / "index.json"
+        if not index_path.exists():
+            raise FileNotFoundError(f"{self.folder} is not a complete feature cache (no index.json).")
+        self.index = json.loads(index_path.read_text())
+        self._safe_open = safe_open
+        self._handles: dict[int, object] = {}
+        self._offsets: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return self.index["num_sequences"]
+
+    def _shard(self, k: int):
+        if k not in self._handles:
+            handle = self._safe_open(str(self.folder / f"shard-{k:05d}.safetensors"), framework="pt")
+            self._handles[k] = handle
+            self._offsets[k] = handle.get_tensor("offsets").tolist()
+        return self._handles[k], self._offsets[k]
+
+    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(context [T, m·d], final [T, d])` of sequence `index`."""
+        k, row = divmod(index, self.index["shard_size"])
+        handle, offsets = self._shard(k)
+        lo, hi = offsets[row], offsets[row + 1]
+        return handle.get_slice("context")[lo:hi], handle.get_slice("final")[lo:hi]
+
+    @staticmethod
+    def key(dataset: TokenDataset, target, layer_ids: list[int]) -> str:
+        """The sub-folder name identifying (data, target, layers, dtype)."""
+        name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+        raw = f"{dataset.fingerprint()}|{name}|{list(layer_ids)}|{target.dtype}|{_CACHE_FORMAT}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    @classmethod
+    def build(
+        cls,
+        target,
+        dataset: TokenDataset,
+        layer_ids: list[int],
+        root: str | os.PathLike,
+        *,
+        shard_size: int = 256,
+        progress: bool = True,
+    ) -> FeatureCache:
+        """Compute (or reuse) the cache of `dataset` under `root/<key>/` and open it.
+
+        Sequences are run through the target one at a time (no padding, so the features are exactly the
+        ones an online run computes for a batch of one).
+        """
+        from safetensors.torch import save_file
+        from tqdm.auto import tqdm
+
+        folder = Path(root) / cls.key(dataset, target, layer_ids)
+        if (folder / "index.json").exists():
+            return cls(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        num_shards = (len(dataset) + shard_size - 1) // shard_size
+        device = target.device
+        bar = tqdm(total=len(dataset), desc="caching target features", disable=not progress, unit="seq")
+        for k in range(num_shards):
+            rows = range(k * shard_size, min((k + 1) * shard_size, len(dataset)))
+            path = folder / f"shard-{k:05d}.safetensors"
+            if path.exists():
+                bar.update(len(rows))
+                continue
+            ctx, fin, offsets = [], [], [0]
+            for i in rows:
+                ids, _ = dataset[i]
+                feats = target_features(target, layer_ids, ids[None].to(device))
+                ctx.append(feats.context[0].cpu())
+                fin.append(feats.final[0].cpu())
+                offsets.append(offsets[-1] + ids.numel())
+                bar.update(1)
+            tensors = {
+                "context": torch.cat(ctx).contiguous(),
+                "final": torch.cat(fin).contiguous(),
+                "offsets": torch.tensor(offsets, dtype=torch.long),
+            }
+            _atomic(path, lambda tmp, t=tensors: save_file(t, tmp))
+        bar.close()
+        index = {
+            "format": _CACHE_FORMAT,
+            "num_sequences": len(dataset),
+            "num_tokens": dataset.num_tokens,
+            "shard_size": shard_size,
+            "layer_ids": list(layer_ids),
+            "target": getattr(target.config, "_name_or_path", None),
+            "dtype": str(target.dtype),
+            "data_fingerprint": dataset.fingerprint(),
+        }
+        _atomic(folder / "index.json", lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
+        return cls(folder)
+
+
+def _atomic(path: Path, write) -> None:
+    """Write `path` through a temporary file in the same folder and an atomic rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

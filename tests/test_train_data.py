@@ -1,0 +1,217 @@
+"""Data preparation: prompt formats, the assistant loss mask, multi-turn regeneration, resume; arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dspark_hf.train import data as data_mod
+from dspark_hf.train.args import (
+    PREPARE_ARGUMENT_TYPES,
+    TRAIN_ARGUMENT_TYPES,
+    PrepareDataArguments,
+    make_dataclasses,
+    parse_args,
+    require,
+)
+from dspark_hf.train.data import TokenDataset, load_token_dataset, prepare_data, to_conversation, tokenize_conversation
+from train_helpers import PROMPTS, make_char_tokenizer, make_chat_target, write_prompts
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        ("hi", [{"role": "user", "content": "hi"}]),
+        ({"prompt": "hi"}, [{"role": "user", "content": "hi"}]),
+        ({"question": "q", "answer": "a"}, [{"role": "user", "content": "q"}]),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "x"},
+                    {"role": "user", "content": "b"},
+                ]
+            },
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+        ),
+        (
+            {
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "a"},
+                    {"from": "gpt", "value": "x"},
+                ]
+            },
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}],
+        ),
+    ],
+)
+def test_to_conversation_formats(row, expected):
+    assert to_conversation(row) == expected
+
+
+def test_to_conversation_errors_name_the_fix():
+    with pytest.raises(ValueError, match="prompt_field"):
+        to_conversation({"foo": "bar"})
+    with pytest.raises(ValueError, match="no user message"):
+        to_conversation({"messages": [{"role": "system", "content": "s"}]})
+
+
+def test_loss_mask_marks_exactly_the_assistant_turns():
+    tok = make_char_tokenizer()
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo!"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    ((ids, mask),) = tokenize_conversation(tok, messages)
+    assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    masked = [i if m else None for i, m in zip(ids, mask)]
+    runs, cur = [], []
+    for t in masked + [None]:
+        if t is None and cur:
+            runs.append(tok.decode(cur))
+            cur = []
+        elif t is not None:
+            cur.append(t)
+    assert runs == ["yo!<|im_end|>", "ok<|im_end|>"]  # content through end-of-turn, not the newline after it
+    # A turn cut off by max_new_tokens never produced its end-of-turn token: it is not supervised.
+    ((ids2, mask2),) = tokenize_conversation(tok, messages, truncated=[True, False])
+    assert ids2 == ids and tok.decode([i for i, m in zip(ids2, mask2) if m]) == "yo!ok<|im_end|>"
+
+
+def test_template_that_rewrites_history_falls_back_to_one_sequence_per_turn():
+    tok = make_char_tokenizer()
+    # Like reasoning templates that drop earlier turns' content: history renders differently from the last turn.
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}.{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "xy"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "zw"},
+    ]
+    seqs = tokenize_conversation(tok, messages)
+    assert len(seqs) == 2
+    for (ids, mask), content in zip(seqs, ["xy", "zw"]):
+        assert tok.decode([i for i, m in zip(ids, mask) if m]) == content + "<|im_end|>"
+
+
+def _prep_args(tmp_path, **kw):
+    base = dict(
+        prompts=write_prompts(tmp_path / "prompts.jsonl"),
+        output=str(tmp_path / "data.jsonl"),
+        max_new_tokens=12,
+        batch_size=3,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        device="cpu",
+        progress=False,
+    )
+    base.update(kw)
+    return PrepareDataArguments(**base)
+
+
+def test_prepare_data_answers_each_user_turn_with_the_target(tmp_path):
+    tok, target = make_char_tokenizer(), make_chat_target()
+    path = prepare_data(_prep_args(tmp_path, do_sample=False), target=target, tokenizer=tok)
+    records = [json.loads(line) for line in open(path)]
+    assert [r["id"] for r in records] == list(range(len(PROMPTS)))
+    multi = records[3]["messages"]  # two user turns, the given assistant answer "old" replaced
+    assert [m["role"] for m in multi] == ["user", "assistant", "user", "assistant"]
+    assert "old" not in multi[1]["content"]
+    # Greedy: the second answer is exactly the target's continuation of the history with the first answer.
+    prompt = tok.apply_chat_template(multi[:3], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = target.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=1)
+    expected = tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert multi[3]["content"] == expected
+    seq = records[3]["sequences"][0]
+    assert len(seq["input_ids"]) == len(seq["loss_mask"]) and sum(seq["loss_mask"]) > 0
+    assert records[2]["messages"][0] == {"role": "system", "content": "be brief"}
+
+
+def test_prepare_data_resumes_to_the_same_output(tmp_path, monkeypatch):
+    tok, target = make_char_tokenizer(), make_chat_target()
+    full = prepare_data(_prep_args(tmp_path, output=str(tmp_path / "a.jsonl")), target=target, tokenizer=tok)
+    args = _prep_args(tmp_path, output=str(tmp_path / "b.jsonl"))
+
+    calls = {"n": 0}
+    original = data_mod.regenerate_conversations
+
+    def dying(*a, **kw):  # the "process" dies while generating the second batch
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return original(*a, **kw)
+
+    monkeypatch.setattr(data_mod, "regenerate_conversations", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(args, target=target, tokenizer=tok)
+    with open(args.output, "a") as f:  # and left a torn line behind
+        f.write('{"id": 3, "messa')
+    monkeypatch.setattr(data_mod, "regenerate_conversations", original)
+    resumed = prepare_data(args, target=target, tokenizer=tok)
+    assert open(resumed).read() == open(full).read()
+
+
+def test_prepare_data_accepts_dataset_rows_and_max_turns(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, {"prompt": "c"}]
+    tok, target = make_char_tokenizer(), make_chat_target()
+    path = prepare_data(_prep_args(tmp_path, max_turns=1), target=target, tokenizer=tok, prompts=iter(rows))
+    records = [json.loads(line) for line in open(path)]
+    assert [len(r["messages"]) for r in records] == [2, 2]
+
+
+def test_token_dataset_truncates_drops_and_splits(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        {"sequences": [{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]}]},
+        {"input_ids": [1, 2, 3], "loss_mask": [1, 0, 1]},  # no anchor: dropped
+        {"input_ids": list(range(10)), "loss_mask": [1] * 10},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ds = load_token_dataset(str(path), max_seq_len=6)
+    assert len(ds) == 2 and ds.num_tokens == 5 + 6
+    ids, mask = ds[1]
+    assert ids.tolist() == list(range(6)) and mask.all()
+    train, held = TokenDataset([([i, i], [1, 1]) for i in range(10)]).split(0.3, seed=1)
+    assert len(train) == 7 and len(held) == 3
+    again = TokenDataset([([i, i], [1, 1]) for i in range(10)]).split(0.3, seed=1)[1]
+    assert held.fingerprint() == again.fingerprint()
+
+
+def test_yaml_config_with_command_line_override(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  preset: dflash\ntraining:\n  learning_rate: 0.001\n  max_steps: 5\nnum_anchors: 64\n")
+    model, data, train, lora = parse_args(TRAIN_ARGUMENT_TYPES, ["--config", str(cfg), "--max_steps", "9"])
+    assert model.preset == "dflash" and model.sequential_head == "none" and model.confidence_head is False
+    assert train.learning_rate == 0.001 and train.max_steps == 9 and data.num_anchors == 64 and not lora.lora
+    with pytest.raises(ValueError, match="did you mean 'learning_rate'"):
+        make_dataclasses(TRAIN_ARGUMENT_TYPES, {"learning_rat": 1})
+    with pytest.raises(ValueError, match="mixed_precision"):
+        make_dataclasses(TRAIN_ARGUMENT_TYPES, {"mixed_precision": "fp8"})
+    (prep,) = parse_args(
+        PREPARE_ARGUMENT_TYPES, ["--prompts", "p.jsonl", "--chat_template_kwargs", '{"enable_thinking": false}']
+    )
+    assert prep.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_missing_optional_dependency_names_the_extra():
+    with pytest.raises(ImportError, match=r"dspark-hf\[train\]"):
+        require("surely_not_an_installed_module_xyz")
+
+
+def test_import_dspark_hf_does_not_import_the_train_package():
+    code = "import sys, dspark_hf; print('dspark_hf.train' in sys.modules, 'peft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+    assert torch.__version__  # torch itself is of course fine

@@ -1,0 +1,189 @@
+"""End to end on a tiny target: prepare data → train → save → load → lossless generate(); cache vs online;
+the DFlash baseline; only the draft's parameters train."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dspark_hf import DSparkDraftModel
+from dspark_hf.cli import main as cli_main
+from dspark_hf.train import DataArguments, ModelArguments, TrainArguments, load_token_dataset, train
+from dspark_hf.train import features as features_mod
+from train_helpers import make_char_tokenizer, make_chat_target, write_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny target + tokenizer saved to disk (the CLI loads them by path) and data prepared from it."""
+    root = tmp_path_factory.mktemp("tiny")
+    target, tok = make_chat_target(), make_char_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    prompts = write_prompts(root / "prompts.jsonl")
+    data = root / "data.jsonl"
+    rc = cli_main(
+        [
+            "prepare-data",
+            "--prompts",
+            prompts,
+            "--output",
+            str(data),
+            "--target",
+            str(root / "target"),
+            "--max_new_tokens",
+            "32",
+            "--batch_size",
+            "4",
+            "--temperature",
+            "1.0",
+            "--top_k",
+            "0",
+            "--device",
+            "cpu",
+            "--no_progress",
+        ]
+    )
+    assert rc == 0
+    return root, data
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_prepare_train_save_load_generate_lossless(tiny, tmp_path):
+    root, data = tiny
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "model:\n  num_hidden_layers: 1\n  block_size: 4\n  markov_rank: 16\n"
+        "data:\n  num_anchors: 16\n  eval_ratio: 0.25\n"
+        "training:\n  max_steps: 4\n  learning_rate: 0.01\n  save_steps: 2\n  eval_steps: 2\n"
+    )
+    out = tmp_path / "draft"
+    rc = cli_main(
+        [
+            "train",
+            "--config",
+            str(cfg),
+            "--target",
+            str(root / "target"),
+            "--train_data",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--no_progress",
+        ]
+    )
+    assert rc == 0
+    files = _files(out)
+    # Online mode: weights, checkpoints, logs; no per-token feature cache anywhere.
+    assert {"config.json", "model.safetensors", "metrics.jsonl", "eval_results.json"} <= set(files)
+    assert "checkpoint-2/optimizer.safetensors" in files and not any("shard-" in f for f in files)
+    assert any(f.startswith("tensorboard/") and "events" in f for f in files)
+    big = [f for f in files if (out / f).stat().st_size > 1_000_000]
+    assert not big, big
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2, 3, 4]
+    evals = [x for x in lines if x["split"] == "eval"]
+    assert [x["step"] for x in evals] == [2, 4] and all(1.0 <= x["tau_est"] <= 5.0 for x in evals)
+    assert set(evals[0]) >= {"accept@1", "accept@4", "loss", "ce", "l1", "bce"}
+
+    target = AutoModelForCausalLM.from_pretrained(root / "target")
+    tok = make_char_tokenizer()
+    draft = DSparkDraftModel.from_pretrained(out, target=target).eval()
+    assert draft.config.block_size == 4 and draft.config.sequential_head == "markov"
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "new prompt"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    kw = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=1)
+    assert torch.equal(target.generate(ids, assistant_model=draft, **kw), target.generate(ids, **kw))
+    assert draft.last_generation_stats.num_rounds > 0
+
+
+def test_feature_cache_gives_the_same_training_as_online(tiny, tmp_path, monkeypatch):
+    _, data = tiny
+    target = make_chat_target()
+    ds = load_token_dataset(str(data))
+    common = dict(max_steps=3, learning_rate=0.01, report_to="none", progress=False)
+    model_args = ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16)
+    online = train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25),
+        TrainArguments(output_dir=str(tmp_path / "online"), **common),
+        target=target,
+        train_dataset=ds,
+    )
+    cache_root = tmp_path / "cache"
+    cached = train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
+        TrainArguments(output_dir=str(tmp_path / "cached"), **common),
+        target=target,
+        train_dataset=ds,
+    )
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    losses = lambda d: [(x["step"], x["loss"], x.get("tau_est")) for x in read(d)]  # noqa: E731
+    assert losses("online") == losses("cached")
+    assert online.eval_metrics == cached.eval_metrics
+    shards = sorted(p.name for p in cache_root.rglob("*.safetensors"))
+    assert len(shards) == 2 and len(list(cache_root.rglob("index.json"))) == 2  # train and held-out sets
+
+    # A second run reuses the cache: the target is never run for features again.
+    def boom(*a, **kw):
+        raise AssertionError("target features recomputed although cached")
+
+    monkeypatch.setattr(features_mod, "target_features", boom)
+    again = train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
+        TrainArguments(output_dir=str(tmp_path / "again"), **common),
+        target=target,
+        train_dataset=ds,
+    )
+    assert again.eval_metrics == cached.eval_metrics
+
+
+def test_dflash_baseline_and_only_draft_parameters_train(tiny, tmp_path):
+    _, data = tiny
+    target = make_chat_target()
+    embed, head = target.get_input_embeddings().weight.clone(), target.lm_head.weight.clone()
+    torch.manual_seed(0)
+    start = DSparkDraftModel.from_target(
+        target, num_hidden_layers=1, block_size=4, sequential_head="none", confidence_head=False
+    )
+    start.save_pretrained(tmp_path / "start")
+    result = train(
+        ModelArguments(init_from=str(tmp_path / "start"), preset="dflash"),
+        DataArguments(train_data=str(data), num_anchors=16, eval_ratio=0.0),
+        TrainArguments(
+            output_dir=str(tmp_path / "dflash"),
+            max_steps=1,
+            learning_rate=0.01,
+            report_to="none",
+            progress=False,
+            mixed_precision="bf16",
+        ),
+        target=target,
+    )
+    trained = result.model
+    assert trained.markov_head is None and trained.confidence_head is None
+    unchanged = [n for n, p in trained.named_parameters() if torch.equal(p, start.state_dict()[n])]
+    assert not unchanged, f"not updated by one step: {unchanged}"
+    assert torch.equal(target.get_input_embeddings().weight, embed) and torch.equal(target.lm_head.weight, head)
+    (line,) = [json.loads(x) for x in (tmp_path / "dflash" / "metrics.jsonl").read_text().splitlines()]
+    assert line["loss"] == pytest.approx(line["ce"]) and line["bce"] == 0.0  # CE only
+
+
+def test_example_train_tiny_runs(tmp_path, monkeypatch, capsys):
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
+    monkeypatch.setattr("sys.argv", [str(example), "--steps", "10", "--out", str(tmp_path)])
+    runpy.run_path(str(example), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "tau_est" in out and "identical to plain generate(): yes" in out
+    assert (tmp_path / "draft" / "model.safetensors").exists()
