@@ -49,3 +49,17 @@ def test_cli_generate_main_job(smollm, capsys):
     out = capsys.readouterr().out
     assert "tau" in out and "speedup:" in out and "identical to plain generate(): yes" in out
     assert "fresh, untrained draft" in out
+
+
+def test_base_example_runs(smollm):
+    """examples/speculative_generate.py works as documented (shortened)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "speculative_generate.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--max-new-tokens", "6"], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "identical to plain generate(): yes" in out.stdout
