@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration import DSparkConfig, default_target_layer_ids
 from .convert import export_deepspec, load_deepspec_checkpoint
+from .engine import DSparkEngine, RequestOutput, SamplingParams
 from .generation import DSparkCandidateGenerator, install_generate_hook
 from .modeling import DSparkDraftModel, DSparkOutput
 from .scheduler import (
@@ -38,13 +39,16 @@ __all__ = [
     "DSparkCandidateGenerator",
     "DSparkConfig",
     "DSparkDraftModel",
+    "DSparkEngine",
     "DSparkOutput",
     "FixedPolicy",
     "GenerationStats",
     "HardwareAwarePolicy",
     "LaggedHardwareAwarePolicy",
     "SPSProfile",
+    "RequestOutput",
     "RoundStats",
+    "SamplingParams",
     "ThresholdPolicy",
     "VerificationPolicy",
     "default_target_layer_ids",

@@ -322,7 +322,7 @@ def install_generate_hook() -> None:
             raise ValueError(
                 f"Speculative generate() with a DSpark draft runs one sequence at a time, got a batch of "
                 f"{input_ids.shape[0]}. transformers' assisted decoding is batch-size-1 only; loop over the "
-                "prompts (a batched engine for many concurrent requests is planned but not part of this release)."
+                "prompts, or serve them together with `dspark_hf.DSparkEngine` (the batched engine)."
             )
         if assistant_model.bound_target is not self:
             assistant_model.bind_target(self)

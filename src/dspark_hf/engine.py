@@ -1,0 +1,571 @@
+"""`DSparkEngine`: many concurrent requests, continuous batching, one batched verification forward per round.
+
+A round ([`DSparkEngine.step`]) does, for all active requests at once:
+
+1. **admit** queued requests while fewer than `max_batch_size` are active and their KV reservations
+   (prompt + `max_new_tokens`) fit in `max_tokens`; a newly admitted request gets its **prefill** (one
+   batched target forward over the new prompts, no drafts) and its first token;
+2. **draft**: one batched draft-backbone forward for every decoding request, then the sequential head
+   (batched over requests, each request's own logits processors and random generator);
+3. **schedule**: the verification policy sees the whole batch's survival matrix `[R, γ]` (and the target's
+   SPS profile) and picks each request's verification length `ℓ_r`;
+4. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
+   `dspark_hf.engine_batch`), then per-request acceptance (greedy, or exact rejection sampling);
+5. **commit**: each request keeps the keys/values and target features of its committed tokens only (that is
+   the rollback), its draft context grows by the same tokens, and accepted tokens are emitted. Finished
+   requests free their caches, which lets queued ones in.
+
+Exactness does not depend on batching: every request sees exactly its own context (masks and position
+ids), so greedy output equals plain `generate()` on that prompt alone and sampling follows the target's
+distribution (`tests/test_engine.py`, `tests/test_engine_sampling.py`).
+
+Example:
+
+```python
+>>> from dspark_hf import DSparkEngine, SamplingParams
+>>> engine = DSparkEngine(target, draft, tokenizer, policy="hardware_aware_lagged", max_batch_size=16)
+>>> outs = engine.generate(["Hi!", [{"role": "user", "content": "2+2?"}]], SamplingParams(max_new_tokens=64))
+>>> outs[0].text, outs[0].summary()["tau"], engine.metrics.to_prometheus()
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine_batch import (
+    LAYOUTS,
+    KVStore,
+    RowSampler,
+    accept_row,
+    build_processors,
+    context_limit,
+    draft_block,
+    draft_ingest,
+    linear_cost_in_keys,
+    ragged_target_forward,
+    sample_block,
+)
+from .metrics import EngineMetrics
+from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
+from .stats import GenerationStats, RoundStats
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    Args:
+        max_new_tokens (`int`, *optional*, defaults to 64): tokens to generate at most.
+        do_sample (`bool`, *optional*, defaults to `False`): sample (exact rejection sampling) or greedy.
+        temperature (`float`, *optional*, defaults to 1.0): sampling temperature (ignored when greedy).
+        top_k (`int`, *optional*): keep the `top_k` most likely tokens (sampling only).
+        top_p (`float`, *optional*): nucleus sampling mass (sampling only).
+        repetition_penalty (`float`, *optional*): as in transformers (greedy and sampling).
+        eos_token_id (`int` or `list[int]`, *optional*): stop tokens; defaults to the target's
+            `generation_config.eos_token_id`.
+        ignore_eos (`bool`, *optional*, defaults to `False`): never stop at an EOS token.
+        seed (`int`, *optional*): seed of the request's random generator (default: drawn from torch's global
+            generator when the request is added, so `torch.manual_seed` makes runs reproducible).
+    """
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    eos_token_id: int | list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Args:
+        request_id (`int`): the id [`DSparkEngine.add_request`] returned.
+        prompt_token_ids (`list[int]`): the tokenized prompt (empty if it could not be built).
+        token_ids (`list[int]`): generated tokens (the EOS token included when generation stopped there).
+        text (`str`, *optional*): `token_ids` decoded (with the engine's tokenizer, special tokens skipped).
+        finish_reason (`str`): `"eos"`, `"length"` (`max_new_tokens`), `"context"` (the target's context
+            is full) or `"error"`.
+        error (`str`, *optional*): why the request was refused (the other requests are not affected).
+        stats ([`GenerationStats`], *optional*): the request's speculative rounds (τ, lengths, acceptance).
+        times (`dict[str, float]`): `perf_counter` stamps `added`, `admitted`, `first_token`, `finished`.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str = "length"
+    error: str | None = None
+    stats: GenerationStats | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """`bool`: whether the request ran (no error)."""
+        return self.error is None
+
+    def summary(self) -> dict:
+        """Per-request statistics: τ, mean verification length, acceptance per position, tokens/s, latencies."""
+        t = self.times
+        out = {"request_id": self.request_id, "new_tokens": len(self.token_ids), "finish_reason": self.finish_reason}
+        if self.stats is not None:
+            out.update(
+                rounds=self.stats.num_rounds,
+                tau=self.stats.tau,
+                mean_verification_length=self.stats.mean_verified,
+                acceptance_by_position=self.stats.acceptance_by_position,
+            )
+        if "finished" in t and "admitted" in t:
+            busy = t["finished"] - t["admitted"]
+            out.update(
+                queue_seconds=t["admitted"] - t["added"],
+                time_to_first_token=t.get("first_token", t["finished"]) - t["added"],
+                latency_seconds=t["finished"] - t["added"],
+                tokens_per_second=len(self.token_ids) / busy if busy > 0 else math.nan,
+            )
+        return out
+
+
+@dataclass
+class StreamEvent:
+    """Tokens accepted for one request in one round (what [`DSparkEngine.stream`] yields).
+
+    Args:
+        request_id (`int`): the request.
+        token_ids (`list[int]`): newly accepted tokens (may be empty for a finished, failed request).
+        text (`str`, *optional*): their text (the decoded difference), with a tokenizer.
+        finished (`bool`): whether the request is done; then `output` holds its [`RequestOutput`].
+        output ([`RequestOutput`], *optional*): the final result, on the last event of a request.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    text: str | None = None
+    finished: bool = False
+    output: RequestOutput | None = None
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request (not part of the public API)."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    sampler: RowSampler
+    eos: set[int]
+    max_new: int
+    reserve: int
+    times: dict[str, float]
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)
+    kv: KVStore | None = None
+    dkv: KVStore | None = None
+    text_len: int = 0
+    finish_reason: str | None = None
+
+
+class DSparkEngine:
+    """Serve many requests at once with a DSpark draft: continuous batching, batch-wide verification scheduling.
+
+    Args:
+        target (`PreTrainedModel`): the causal LM; every layer must use full attention (a sliding window caps
+            the request length at the window).
+        draft ([`DSparkDraftModel`], *optional*): the draft, bound to `target` if it is not. `None` (or
+            `policy="none"`) decodes without speculation through the same batched machinery.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for text and chat-message prompts and for
+            `RequestOutput.text`.
+        policy (`str` or [`VerificationPolicy`], *optional*): see [`resolve_policy`]; `"none"` disables
+            drafting. Defaults to `hardware_aware` for a calibrated draft, else `fixed` (the whole block).
+        max_batch_size (`int`, *optional*, defaults to 8): most requests decoded at once.
+        max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
+            while active. Defaults to `max_batch_size ×` the target's context length.
+        layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
+            `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
+            `dspark_hf.engine_batch` and `docs/engine.md` for which is faster where).
+        sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
+            cached on first use if needed and not given.
+    """
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        tokenizer=None,
+        policy=None,
+        max_batch_size: int = 8,
+        max_tokens: int | None = None,
+        layout: str = "auto",
+        sps=None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+        self.target, self.tokenizer, self.layout = target, tokenizer, layout
+        self._linear_cost = linear_cost_in_keys(target)
+        self.max_batch_size = max_batch_size
+        config = target.config.get_text_config()
+        self.vocab_size = config.vocab_size
+        self.context_limit = context_limit(config)
+        self.max_tokens = max_tokens if max_tokens is not None else max_batch_size * min(self.context_limit, 1 << 20)
+        self.speculate = draft is not None and policy != "none"
+        self.draft = draft if self.speculate else None
+        self.gamma = draft.config.block_size if self.speculate else 0
+        self.policy, self.schedule_context = None, ScheduleContext()
+        if self.speculate:
+            if draft.bound_target is not target:
+                draft.bind_target(target)
+            self.policy = resolve_policy(
+                policy, has_confidence=draft.confidence_head is not None, calibrated=draft.config.confidence_calibrated
+            )
+            if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
+                if sps is None:
+                    from .sps import get_sps_profile
+
+                    sps = get_sps_profile(target)
+                self.schedule_context.sps = sps.sps
+            self.temperatures = torch.tensor(draft.config.calibration_temperatures, dtype=torch.float32)
+        self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
+        self.metrics = EngineMetrics(block_size=max(self.gamma, 1))
+        self._queue: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._failed: list[RequestOutput] = []
+        self._reserved = 0
+        self._ids = itertools.count()
+        self._buffered: list[StreamEvent] = []  # events of requests not owned by a running generate()/stream()
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Never raises for a bad request: its result carries the error.
+
+        Args:
+            prompt: token ids (`list[int]` or a 1-D / `[1, T]` tensor), a string, or chat messages
+                (`list[dict]` with `role`/`content`, rendered with the tokenizer's chat template).
+            sampling_params ([`SamplingParams`], *optional*): defaults to greedy, 64 new tokens.
+        """
+        params = sampling_params or SamplingParams()
+        rid = next(self._ids)
+        times = {"added": time.perf_counter()}
+        self.metrics.requests_added += 1
+        ids: list[int] = []
+        try:
+            ids = self._tokenize(prompt)
+            req = self._make_request(rid, ids, params, times)
+        except (ValueError, TypeError) as err:
+            self._failed.append(
+                RequestOutput(rid, ids, [], finish_reason="error", error=f"request {rid}: {err}", times=times)
+            )
+            return rid
+        self._queue.append(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        """`bool`: whether any request is queued, active or has an undelivered result."""
+        return bool(self._queue or self._active or self._failed or self._buffered)
+
+    @property
+    def queue_length(self) -> int:
+        """`int`: requests waiting for admission."""
+        return len(self._queue)
+
+    @torch.no_grad()
+    def step(self) -> list[StreamEvent]:
+        """Run one round (admissions and prefills, then one drafting + verification round) and return its events."""
+        start = time.perf_counter()
+        events, self._buffered = self._buffered, []
+        for out in self._failed:
+            self.metrics.requests_finished += 1
+            self.metrics.requests_failed += 1
+            events.append(StreamEvent(out.request_id, [], finished=True, output=out))
+        self._failed = []
+        admitted = self._admit()
+        decoding = [r for r in self._active if r not in admitted]
+        if decoding:
+            self._decode_round(decoding, events)
+        if admitted:
+            self._prefill(admitted, events)
+        m = self.metrics
+        m.busy_seconds += time.perf_counter() - start
+        kv_bytes = sum(r.kv.nbytes + (r.dkv.nbytes if r.dkv is not None else 0) for r in self._active)
+        m.record_gauges(len(self._active), len(self._queue), sum(len(r.kv) for r in self._active), kv_bytes)
+        return events
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
+        """Submit `prompts` and yield their [`StreamEvent`]s as tokens are accepted, until all are finished.
+
+        Events of other requests (added with [`add_request`]) are kept for the next [`step`] call.
+        """
+        prompts = list(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, _per_prompt(sampling_params, len(prompts)))]
+        pending = set(ids)
+        while pending:
+            for event in self.step():
+                if event.request_id in pending:
+                    if event.finished:
+                        pending.discard(event.request_id)
+                    yield event
+                else:
+                    self._buffered.append(event)
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """Run `prompts` to completion (continuously batched) and return their results in order.
+
+        Args:
+            prompts (`list`): each a token-id list/tensor, a string or chat messages (see [`add_request`]).
+            sampling_params ([`SamplingParams`] or `list[SamplingParams]`, *optional*): one for all, or one per
+                prompt.
+
+        Returns:
+            `list[RequestOutput]`: in the order of `prompts`; failed requests carry `error`.
+        """
+        outputs = {}
+        for event in self.stream(prompts, sampling_params):
+            if event.finished:
+                outputs[event.request_id] = event.output
+        return [outputs[k] for k in sorted(outputs)]
+
+    # ------------------------------------------------------------------ request intake
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise ValueError(f"a tensor prompt must be 1-D or [1, T], got shape {tuple(prompt.shape)}.")
+            return prompt.tolist()
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping)):
+            if self.tokenizer is None:
+                raise ValueError("text and chat-message prompts need a tokenizer: DSparkEngine(..., tokenizer=tok).")
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt)["input_ids"])
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+        if isinstance(prompt, Iterable):
+            ids = list(prompt)
+            if not all(isinstance(t, int) for t in ids):
+                raise TypeError("a prompt list must hold token ids (int) or chat messages (dict).")
+            return ids
+        raise TypeError(f"unsupported prompt type {type(prompt).__name__}: use token ids, a string or chat messages.")
+
+    def _make_request(self, rid: int, ids: list[int], params: SamplingParams, times: dict) -> _Request:
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token (the target needs a context).")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the target's vocabulary 0..{self.vocab_size - 1}.")
+        if len(ids) >= self.context_limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the target's context holds {self.context_limit}; shorten it "
+                "so at least one token can be generated."
+            )
+        _check_params(params)
+        max_new = min(params.max_new_tokens, self.context_limit - len(ids))
+        reserve = len(ids) + max_new
+        if reserve > self.max_tokens:
+            raise ValueError(
+                f"the request needs {reserve} KV tokens (prompt {len(ids)} + max_new_tokens {max_new}) but the "
+                f"engine's max_tokens is {self.max_tokens}; lower max_new_tokens or raise max_tokens."
+            )
+        eos = params.eos_token_id
+        if eos is None:
+            eos = self.target.generation_config.eos_token_id
+        eos = set() if eos is None or params.ignore_eos else {eos} if isinstance(eos, int) else set(eos)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        sampler = RowSampler(build_processors(params), params.do_sample, generator)
+        policy = repr(self.policy) if self.policy is not None else "none"
+        stats = GenerationStats(block_size=max(self.gamma, 1), policy=policy)
+        return _Request(rid, ids, params, sampler, eos, max_new, reserve, times, stats)
+
+    def _admit(self) -> list[_Request]:
+        admitted = []
+        while (
+            self._queue
+            and len(self._active) < self.max_batch_size
+            and self._reserved + self._queue[0].reserve <= self.max_tokens
+        ):
+            req = self._queue.popleft()
+            req.kv = KVStore(req.reserve)
+            req.dkv = KVStore(req.reserve) if self.speculate else None
+            req.times["admitted"] = time.perf_counter()
+            self._reserved += req.reserve
+            self._active.append(req)
+            admitted.append(req)
+        return admitted
+
+    # ------------------------------------------------------------------ rounds
+    def _prefill(self, reqs: list[_Request], events: list[StreamEvent]) -> None:
+        start = time.perf_counter()
+        out = ragged_target_forward(
+            self.target, [r.kv for r in reqs], [r.prompt for r in reqs], [[len(r.prompt) - 1] for r in reqs],
+            self.layer_ids, self.layout, self._linear_cost,
+        )  # fmt: skip
+        self.metrics.layout_counts[out.layout] += 1
+        firsts = []
+        for i, req in enumerate(reqs):
+            req.kv.append(out.new_kv[i])
+            logits = req.sampler.process(req.prompt, out.logits[i])
+            firsts.append(req.sampler.pick(logits[0]))
+        if self.speculate:
+            draft_ingest(self.draft, [r.dkv for r in reqs], out.features)
+        for req, token in zip(reqs, firsts):
+            req.times["first_token"] = time.perf_counter()
+            self._emit(req, [token], events)
+        self.metrics.prefill_forwards += 1
+        self.metrics.prefill_seconds += time.perf_counter() - start
+
+    def _decode_round(self, reqs: list[_Request], events: list[StreamEvent]) -> None:
+        t0 = time.perf_counter()
+        anchors = [r.tokens[-1] for r in reqs]
+        # the round always emits one target token, so at most `remaining - 1` drafts can be useful
+        budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
+        drafted = [[] for _ in reqs]
+        lengths = [0] * len(reqs)
+        q_logits, conf_logits, survival = None, None, None
+        if self.speculate and max(budgets) > 0:
+            hidden, base = draft_block(self.draft, [r.dkv for r in reqs], anchors)
+            histories = [r.prompt + r.tokens for r in reqs] if any(r.sampler.processors for r in reqs) else None
+            tokens, q_logits, conf_logits = sample_block(
+                self.draft, hidden, base, anchors, [r.sampler for r in reqs], histories or [[] for _ in reqs]
+            )
+            drafted = tokens.tolist()
+            lengths, survival = self._schedule(drafted, conf_logits, budgets, reqs)
+        t1 = time.perf_counter()
+        rows = [[a] + d[:n] for a, d, n in zip(anchors, drafted, lengths)]
+        out = ragged_target_forward(
+            self.target, [r.kv for r in reqs], rows, [list(range(len(row))) for row in rows], self.layer_ids,
+            self.layout, self._linear_cost,
+        )  # fmt: skip
+        self.metrics.layout_counts[out.layout] += 1
+        emitted, features, outcomes = [], [], []
+        for i, req in enumerate(reqs):
+            q = q_logits[i, : lengths[i]] if q_logits is not None else None
+            history = req.prompt + req.tokens if req.sampler.processors else []  # only processors read it
+            n, token = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, out.logits[i])
+            req.kv.append([(k[:, : n + 1], v[:, : n + 1]) for k, v in out.new_kv[i]])  # keep committed only
+            if self.speculate:
+                features.append(out.features[i][: n + 1])
+            emitted.append(drafted[i][:n] + [token])
+            outcomes.append(n)
+            self.metrics.record_request_round(lengths[i], n)
+        if self.speculate:
+            draft_ingest(self.draft, [r.dkv for r in reqs], features)
+        t2 = time.perf_counter()
+        for i, req in enumerate(reqs):
+            if self.speculate:  # a row without budget drafted nothing useful: recorded as an empty block
+                has = budgets[i] > 0 and bool(drafted[i])
+                stats = _round_stats(
+                    drafted[i] if has else [], conf_logits if has else None, survival, i, self.temperatures
+                )
+                stats.verified, stats.accepted = lengths[i], outcomes[i]
+                stats.draft_time, stats.verify_time = t1 - t0, t2 - t1
+                req.stats.rounds.append(stats)
+            self._emit(req, emitted[i], events)
+        m = self.metrics
+        m.rounds += 1
+        m.forward_tokens += sum(len(row) for row in rows)
+        m.queue_length_sum += len(self._queue)
+        m.draft_seconds += t1 - t0
+        m.verify_seconds += t2 - t1
+
+    def _schedule(self, drafted, conf_logits, budgets, reqs) -> tuple[list[int], torch.Tensor]:
+        """Lengths from the policy over the batch's survival matrix; positions past a request's budget get 0."""
+        rows = len(drafted)
+        if conf_logits is not None:
+            temps = self.temperatures.to(conf_logits.device)
+            survival = survival_probabilities(torch.sigmoid(conf_logits.float() / temps)).cpu()
+        else:
+            survival = torch.ones(rows, self.gamma)
+        for i, b in enumerate(budgets):
+            survival[i, b:] = 0.0
+        lengths = self.policy.choose_lengths(survival, self.schedule_context).tolist()
+        lengths = [min(int(n), b) for n, b in zip(lengths, budgets)]
+        for i, req in enumerate(reqs):  # never verify past an EOS: nothing after it can be emitted
+            eos_at = next((k for k, t in enumerate(drafted[i][: lengths[i]]) if t in req.eos), None)
+            if eos_at is not None:
+                lengths[i] = eos_at + 1
+        if conf_logits is not None:
+            self.schedule_context.previous_survival = survival
+        return lengths, survival
+
+    def _emit(self, req: _Request, tokens: list[int], events: list[StreamEvent]) -> None:
+        new = []
+        for t in tokens:
+            new.append(t)
+            req.tokens.append(t)
+            if t in req.eos:
+                req.finish_reason = "eos"
+                break
+            if len(req.tokens) >= req.max_new:
+                req.finish_reason = "length" if req.max_new == req.params.max_new_tokens else "context"
+                break
+        self.metrics.tokens_generated += len(new)
+        text = None
+        if self.tokenizer is not None:
+            full = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
+            text, req.text_len = full[req.text_len :], len(full)
+        if req.finish_reason is None:
+            events.append(StreamEvent(req.rid, new, text))
+            return
+        req.times["finished"] = time.perf_counter()
+        self._active.remove(req)
+        self._reserved -= req.reserve
+        req.kv = req.dkv = None  # free the caches now: this is what lets queued requests in
+        self.metrics.requests_finished += 1
+        output = RequestOutput(
+            req.rid,
+            req.prompt,
+            req.tokens,
+            text=self.tokenizer.decode(req.tokens, skip_special_tokens=True) if self.tokenizer else None,
+            finish_reason=req.finish_reason,
+            stats=req.stats,
+            times=req.times,
+        )
+        events.append(StreamEvent(req.rid, new, text, finished=True, output=output))
+
+
+def _round_stats(drafted, conf_logits, survival, i, temperatures) -> RoundStats:
+    """Row `i`'s drafted block and the scheduler's view of it (verified/accepted are filled in by the caller)."""
+    if conf_logits is None:
+        return RoundStats(drafted, [], [], [], [], 0)
+    z = conf_logits[i].float().cpu()
+    calibrated = torch.sigmoid(z / temperatures)
+    return RoundStats(drafted, z.tolist(), torch.sigmoid(z).tolist(), calibrated.tolist(), survival[i].tolist(), 0)
+
+
+def _per_prompt(sampling_params, n: int) -> list:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give one, or one per prompt.")
+    return params
+
+
+def _check_params(params: SamplingParams) -> None:
+    """Refuse sampling parameters transformers would refuse, naming the allowed range."""
+    checks = [
+        (params.max_new_tokens >= 1, "max_new_tokens must be >= 1", params.max_new_tokens),
+        (params.temperature > 0, "temperature must be > 0 (use do_sample=False for greedy)", params.temperature),
+        (params.top_k is None or params.top_k >= 0, "top_k must be >= 0", params.top_k),
+        (params.top_p is None or 0 < params.top_p <= 1, "top_p must be in (0, 1]", params.top_p),
+        (params.repetition_penalty is None or params.repetition_penalty > 0, "repetition_penalty must be > 0",
+         params.repetition_penalty),
+    ]  # fmt: skip
+    for ok, message, value in checks:
+        if not ok:
+            raise ValueError(f"{message}, got {value}.")
