@@ -1,0 +1,173 @@
+"""Verification policies at batch 1 on the default target: tokens/s of every policy vs plain generate().
+
+Measures, in one run and interleaved per repeat (so every method sees the same machine load):
+plain `generate()`, `fixed:n` for every n in 1..γ, `threshold:t` for a few t, `hardware_aware` and
+`hardware_aware_lagged`; reports medians over repeats of tokens/s and the ratio to plain decoding measured
+in the same run. Then it sweeps a background load and records the verification length the hardware-aware
+policies choose (the scheduler's load response), and plots the measured SPS curve.
+
+The figures only mean something with a *trained* draft (`--draft`); with the default fresh draft every
+drafted token is rejected and each policy only shows its overhead.
+
+Usage:
+    python benchmarks/bench_policies.py [--draft PATH] [--repeats 3] [--max-new-tokens 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dspark_hf
+from dspark_hf import DSparkDraftModel
+from dspark_hf.default_model import load_default_target
+from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.sps import get_sps_profile
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give three tips for staying healthy.",
+]
+LOADS = [0, 4, 8, 16, 24, 32, 48, 64]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--draft", default=None, help="trained draft folder (default: a fresh draft)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.2, 0.4, 0.6])
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target, tok = load_default_target()
+    if args.draft:
+        draft = DSparkDraftModel.from_pretrained(args.draft, target=target).eval()
+    else:
+        torch.manual_seed(0)
+        draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=64).eval()
+    gamma = draft.config.block_size
+    profile = get_sps_profile(target)
+    inputs = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for p in PROMPTS
+    ]
+    policies: dict[str, object] = {f"fixed:{n}": f"fixed:{n}" for n in range(1, gamma + 1)}
+    policies.update({f"threshold:{t}": f"threshold:{t}" for t in args.thresholds})
+    policies["hardware_aware"] = HardwareAwarePolicy(sps=profile)
+    policies["hardware_aware_lagged"] = LaggedHardwareAwarePolicy(sps=profile)
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+
+    def run(ids, policy):
+        start = time.perf_counter()
+        if policy is None:
+            out = target.generate(ids, **kw)
+        else:
+            out = target.generate(ids, assistant_model=draft, dspark_policy=policy, **kw)
+        elapsed = time.perf_counter() - start
+        return (out.shape[1] - ids.shape[1]) / elapsed, (draft.last_generation_stats if policy is not None else None)
+
+    run(inputs[0], None)  # warm-up
+    names = ["plain"] + list(policies)
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    taus: dict[str, list[float]] = {n: [] for n in names[1:]}
+    verified: dict[str, list[float]] = {n: [] for n in names[1:]}
+    for _ in range(args.repeats):
+        for ids in inputs:
+            for name in names:  # interleaved
+                rate, stats = run(ids, None if name == "plain" else policies[name])
+                tps[name].append(rate)
+                if stats is not None:
+                    taus[name].append(stats.tau)
+                    verified[name].append(stats.mean_verified)
+    plain = statistics.median(tps["plain"])
+    rows = {
+        n: {
+            "tokens_per_s": statistics.median(tps[n]),
+            "ratio_vs_plain": statistics.median(tps[n]) / plain,
+            "tau": statistics.median(taus[n]) if n in taus else 1.0,
+            "mean_verified": statistics.median(verified[n]) if n in verified else 0.0,
+        }
+        for n in names
+    }
+    best_fixed = max((n for n in names if n.startswith("fixed")), key=lambda n: rows[n]["tokens_per_s"])
+    print(f"\nbatch 1, {args.threads} threads, medians over {args.repeats} repeats x {len(inputs)} prompts")
+    print(f"{'policy':24} {'tok/s':>8} {'vs plain':>9} {'tau':>6} {'verified':>9}")
+    for n, r in rows.items():
+        print(f"{n:24} {r['tokens_per_s']:8.2f} {r['ratio_vs_plain']:8.2f}x {r['tau']:6.2f} {r['mean_verified']:9.2f}")
+    print(f"best fixed: {best_fixed}")
+
+    # load response: chosen verification length vs background tokens
+    load_curve = {}
+    for cls in (HardwareAwarePolicy, LaggedHardwareAwarePolicy):
+        lengths = []
+        for load in LOADS:
+            target.generate(
+                inputs[0],
+                assistant_model=draft,
+                dspark_policy=cls(sps=profile, background_tokens=load),
+                **{**kw, "max_new_tokens": 32},
+            )
+            lengths.append(draft.last_generation_stats.mean_verified)
+        load_curve[cls.name] = lengths
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "dspark_hf": dspark_hf.__version__,
+        "draft": args.draft or "fresh (untrained)",
+        "threads": args.threads,
+        "sps_profile_seconds": profile.seconds,
+        "policies": rows,
+        "best_fixed": best_fixed,
+        "background_loads": LOADS,
+        "mean_verified_vs_load": load_curve,
+    }
+    (out_dir / "policies.json").write_text(json.dumps(report, indent=2))
+    _plot(profile, load_curve, rows, out_dir)
+    print(f"wrote {out_dir / 'policies.json'}, sps_curve.png, load_response.png")
+
+
+def _plot(profile, load_curve, rows, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(1, max(profile.seconds) + 1))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [1000 * profile.time(x) for x in xs], label="interpolated")
+    ax.scatter(list(profile.seconds), [1000 * v for v in profile.seconds.values()], color="C1", label="measured")
+    ax.set_xlabel("tokens in the verification forward (B)")
+    ax.set_ylabel("ms per forward")
+    ax.set_title("Target verification cost (SPS profile)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "sps_curve.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, lengths in load_curve.items():
+        ax.plot(LOADS, lengths, marker="o", label=name)
+    ax.set_xlabel("background tokens in the verification forward")
+    ax.set_ylabel("mean drafted tokens verified per round")
+    ax.set_title("Scheduler's verification length vs load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "load_response.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
