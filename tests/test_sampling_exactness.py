@@ -234,3 +234,57 @@ def test_uncorrected_draft_distribution_is_detected(setup, monkeypatch):
     p_value = _p_value(counts, joint)
     print(f"\nuncorrected q: p={p_value:.4g} acceptance={info['accepted'] / info['verified']:.3f}")
     assert p_value < ALPHA
+
+
+# temperature, top-k and repetition penalty: the target's logits processors are applied to the draft too
+PROCESSED = {"temperature": 0.7, "top_k": 3, "repetition_penalty": 1.3}
+
+
+def _exact_processed_joint(target) -> np.ndarray:
+    """Exact joint of the first tokens when sampling with `PROCESSED` (processors applied per prefix)."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+    processors = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(PROCESSED["repetition_penalty"]),
+            TemperatureLogitsWarper(PROCESSED["temperature"]),
+            TopKLogitsWarper(PROCESSED["top_k"]),
+        ]
+    )
+    cells = list(itertools.product(range(VOCAB), repeat=WINDOW))
+    joint = np.zeros(len(cells))
+    with torch.no_grad():
+        for i, cell in enumerate(cells):
+            prob = 1.0
+            for t in range(WINDOW):
+                prefix = torch.cat([PROMPT, torch.tensor([cell[:t]], dtype=torch.long)], dim=1)
+                logits = target(prefix).logits[:, -1].double()
+                probs = torch.softmax(processors(prefix, logits), dim=-1)[0]
+                prob *= float(probs[cell[t]])
+            joint[i] = prob
+    assert abs(joint.sum() - 1.0) < 1e-9
+    return joint
+
+
+@pytest.mark.slow
+def test_sampling_with_temperature_top_k_and_repetition_penalty_is_exact(setup):
+    """Same chi-square test with processors: the draft must sample from the *processed* distribution."""
+    target, _ = setup
+    joint = _exact_processed_joint(target)
+    draft = _make_draft(target)
+    config = GenerationConfig(do_sample=True, max_new_tokens=MAX_NEW_TOKENS, dspark_policy="fixed", **PROCESSED)
+    index = {cell: i for i, cell in enumerate(itertools.product(range(VOCAB), repeat=WINDOW))}
+    counts = np.zeros(len(index), dtype=np.int64)
+    accepted = verified = 0
+    torch.manual_seed(SEED + 1)
+    for _ in range(N):
+        out = target.generate(PROMPT, generation_config=config, assistant_model=draft)
+        counts[index[tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + WINDOW].tolist())]] += 1
+        accepted += sum(r.accepted for r in draft.last_generation_stats.rounds)
+        verified += sum(r.verified for r in draft.last_generation_stats.rounds)
+    nonzero = joint > 0  # top-k removes some continuations entirely: they must never appear
+    assert counts[~nonzero].sum() == 0
+    p_value = float(stats.chisquare(counts[nonzero], N * joint[nonzero] / joint[nonzero].sum()).pvalue)
+    print(f"\nprocessed sampling: p={p_value:.4g} acceptance={accepted / max(verified, 1):.3f}")
+    assert p_value >= ALPHA and accepted >= 0.3 * verified
