@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf import DSparkDraftModel, DSparkEngine, SamplingParams
-from dspark_hf.default_model import load_default_target
+from dspark_hf import DSparkEngine, SamplingParams
+from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.engine_batch import KVStore, ragged_target_forward
 from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
@@ -190,11 +190,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     target, tok = load_default_target()
-    if args.draft:
-        draft = DSparkDraftModel.from_pretrained(args.draft, target=target).eval()
-    else:
-        torch.manual_seed(0)
-        draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=64).eval()
+    draft, _ = load_draft(target, args.draft)
     profile = get_sps_profile(target)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     report = {

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf import DSparkDraftModel
-from dspark_hf.default_model import load_default_target
+from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
 
@@ -50,19 +49,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     target, tok = load_default_target()
-    if args.draft:
-        draft = DSparkDraftModel.from_pretrained(args.draft, target=target).eval()
-    else:
-        torch.manual_seed(0)
-        draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=64).eval()
+    draft, _ = load_draft(target, args.draft)
     gamma = draft.config.block_size
     profile = get_sps_profile(target)
-    inputs = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-        for p in PROMPTS
-    ]
+    inputs = [chat_inputs(tok, p)["input_ids"] for p in PROMPTS]
     policies: dict[str, object] = {f"fixed:{n}": f"fixed:{n}" for n in range(1, gamma + 1)}
     policies.update({f"threshold:{t}": f"threshold:{t}" for t in args.thresholds})
     policies["hardware_aware"] = HardwareAwarePolicy(sps=profile)

@@ -13,8 +13,7 @@ import argparse
 import torch
 
 import dspark_hf  # noqa: F401  (registers the generate() hook)
-from dspark_hf import DSparkDraftModel
-from dspark_hf.default_model import load_default_target
+from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 
 
 def main() -> None:
@@ -25,14 +24,8 @@ def main() -> None:
     args = parser.parse_args()
 
     target, tokenizer = load_default_target()
-    if args.draft:
-        draft = DSparkDraftModel.from_pretrained(args.draft, target=target)
-    else:
-        torch.manual_seed(0)
-        draft = DSparkDraftModel.from_target(target, num_hidden_layers=1)
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    draft, _ = load_draft(target, args.draft)  # a fresh, untrained draft without --draft
+    inputs = chat_inputs(tokenizer, args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     plain = target.generate(**inputs, **kwargs)
     spec = target.generate(**inputs, assistant_model=draft, dspark_policy="fixed", **kwargs)

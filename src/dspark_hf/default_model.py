@@ -85,3 +85,30 @@ def load_default_target(dtype=None):
     model.config._name_or_path = DEFAULT_TARGET_HUB_ID
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_overrides):
+    """The draft named by `draft` (folder or Hub id) bound to `target`, or a fresh one if `draft` is `None`.
+
+    A fresh draft is untrained (one layer, Markov rank 64 unless overridden, seeded): its output is still
+    exactly the target's, but almost every drafted token is rejected. Rank 64 keeps the sequential head's
+    output projection cache-resident on a CPU (see the benchmarks page).
+
+    Returns:
+        `tuple[DSparkDraftModel, bool]`: the draft in eval mode, and whether it is a fresh one.
+    """
+    import torch
+
+    from .modeling import DSparkDraftModel
+
+    if draft is not None:
+        return DSparkDraftModel.from_pretrained(draft, target=target).eval(), False
+    torch.manual_seed(seed)
+    overrides = {"num_hidden_layers": 1, "markov_rank": 64, **fresh_overrides}
+    return DSparkDraftModel.from_target(target, **overrides).eval(), True
+
+
+def chat_inputs(tokenizer, text: str) -> dict:
+    """`input_ids` and `attention_mask` (`(1, L)` tensors) of one user message under the chat template."""
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

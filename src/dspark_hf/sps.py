@@ -173,8 +173,16 @@ def get_sps_profile(target, context_length: int = 256, refresh: bool = False, **
         **kwargs: passed to [`profile_sps`].
     """
     path = _cache_path(target, context_length)
+    # generate() asks for the profile on every call; keep it in memory rather than re-reading the file
+    if not refresh and path in _LOADED and path.exists():
+        return _LOADED[path]
     if path.exists() and not refresh:
-        return SPSProfile.load(path)
-    profile = profile_sps(target, context_length=context_bucket(context_length), **kwargs)
-    profile.save(path)
+        profile = SPSProfile.load(path)
+    else:
+        profile = profile_sps(target, context_length=context_bucket(context_length), **kwargs)
+        profile.save(path)
+    _LOADED[path] = profile
     return profile
+
+
+_LOADED: dict[Path, SPSProfile] = {}

@@ -29,8 +29,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import dspark_hf
-    from dspark_hf.default_model import load_default_target
+    from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("--repeats and --max-new-tokens must be >= 1")
@@ -41,18 +40,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         target = AutoModelForCausalLM.from_pretrained(args.target).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-    if args.draft is None:
-        torch.manual_seed(args.seed)
-        draft = dspark_hf.DSparkDraftModel.from_target(target, num_hidden_layers=1).eval()
+    draft, fresh = load_draft(target, args.draft, seed=args.seed)
+    if fresh:
         print(
             "note: no trained draft given (--draft), so this run uses a fresh, untrained draft: almost every drafted "
             "token is rejected, τ stays near 1 and there is no speedup. Output is still exactly the target's."
         )
-    else:
-        draft = dspark_hf.DSparkDraftModel.from_pretrained(args.draft, target=target).eval()
-
-    messages = [{"role": "user", "content": args.prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = chat_inputs(tokenizer, args.prompt)
     sample = args.temperature > 0
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
