@@ -1,0 +1,35 @@
+"""Write the training prompts of the default drafts to a JSONL file, shortest first.
+
+    python examples/default_drafts/build_prompts.py --output data/prompts.jsonl
+
+Shortest-first keeps each batch of `dspark prepare-data` (fixed chunks of this list) nearly free of padding.
+None of these prompts is an evaluation prompt: see `dspark_hf.prompt_sets` and `tests/test_prompt_sets.py`.
+The file is not committed (ShareGPT declares no licence); this script rebuilds it exactly (seeded).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from dspark_hf.default_model import default_target_path
+from dspark_hf.prompt_sets import training_prompts
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--output", default="data/prompts.jsonl")
+parser.add_argument("--chat", type=int, default=1100, help="ShareGPT first turns (before the held-out slice).")
+parser.add_argument("--code", type=int, default=300, help="write-this-function requests from the stdlib.")
+parser.add_argument("--math", type=int, default=300, help="templated arithmetic word problems.")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+rows = training_prompts(args.chat, args.code, args.math, seed=args.seed)
+rows.sort(key=lambda r: (len(tokenizer(r["prompt"])["input_ids"]), r["prompt"]))
+out = Path(args.output)
+out.parent.mkdir(parents=True, exist_ok=True)
+with out.open("w", encoding="utf-8") as f:
+    for row in rows:
+        f.write(json.dumps(row) + "\n")
+print(f"wrote {len(rows)} prompts to {out}")
