@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from dspark_hf.default_model import default_target_path
-from dspark_hf.prompt_sets import training_prompts
+from dspark_hf.prompt_sets import calibration_prompts, training_prompts
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--output", default="data/prompts.jsonl")
@@ -22,6 +22,8 @@ parser.add_argument("--chat", type=int, default=1100, help="ShareGPT first turns
 parser.add_argument("--code", type=int, default=300, help="write-this-function requests from the stdlib.")
 parser.add_argument("--math", type=int, default=300, help="templated arithmetic word problems.")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--calibration", type=int, default=64, help="calibration prompts, disjoint from training.")
+parser.add_argument("--calibration-output", default="data/calibration_prompts.jsonl")
 args = parser.parse_args()
 
 tokenizer = AutoTokenizer.from_pretrained(default_target_path())
@@ -33,3 +35,11 @@ with out.open("w", encoding="utf-8") as f:
     for row in rows:
         f.write(json.dumps(row) + "\n")
 print(f"wrote {len(rows)} prompts to {out}")
+
+calibration = calibration_prompts(args.calibration, n_chat_trained=args.chat, seed=args.seed)
+trained = {r["prompt"] for r in rows}
+assert not any(r["prompt"] in trained for r in calibration), "calibration prompts overlap the training prompts"
+with Path(args.calibration_output).open("w", encoding="utf-8") as f:
+    for row in calibration:
+        f.write(json.dumps(row) + "\n")
+print(f"wrote {len(calibration)} calibration prompts to {args.calibration_output}")

@@ -87,12 +87,41 @@ def load_default_target(dtype=None):
     return model, tokenizer
 
 
-def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_overrides):
-    """The draft named by `draft` (folder or Hub id) bound to `target`, or a fresh one if `draft` is `None`.
+#: Drafts for the default target that ship inside the package, by stable name (folder under `dspark_hf/drafts/`).
+#: Trained with `examples/default_drafts/` (config, data recipe and cost on the docs' results page).
+SHIPPED_DRAFTS = {
+    "smollm2-135m-dspark": "DSpark draft (Markov head + calibrated confidence head)",
+    "smollm2-135m-dflash": "DFlash baseline (same backbone, data and steps; no sequential or confidence head)",
+}
+DEFAULT_DRAFT = "smollm2-135m-dspark"
 
-    A fresh draft is untrained (one layer, Markov rank 64 unless overridden, seeded): its output is still
-    exactly the target's, but almost every drafted token is rejected. Rank 64 keeps the sequential head's
-    output projection cache-resident on a CPU (see the benchmarks page).
+
+def shipped_draft_path(name: str = DEFAULT_DRAFT) -> Path | None:
+    """Folder of the shipped draft `name` (a key of [`SHIPPED_DRAFTS`]), or `None` if this install lacks it."""
+    if name not in SHIPPED_DRAFTS:
+        raise ValueError(f"Unknown shipped draft {name!r}; choose one of {', '.join(SHIPPED_DRAFTS)}.")
+    folder = Path(__file__).parent / "drafts" / name
+    return folder if (folder / "config.json").exists() and (folder / "model.safetensors").exists() else None
+
+
+def resolve_draft(draft: str) -> str:
+    """A shipped draft's stable name → its folder; anything else (folder or Hub id) is returned unchanged."""
+    if draft in SHIPPED_DRAFTS:
+        path = shipped_draft_path(draft)
+        if path is None:
+            raise FileNotFoundError(f"The shipped draft {draft!r} is missing from this install of dspark-hf.")
+        return str(path)
+    return draft
+
+
+def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_overrides):
+    """The draft named by `draft` bound to `target`; by default the shipped default draft, else a fresh one.
+
+    `draft` is a shipped draft's stable name (see [`SHIPPED_DRAFTS`], e.g. `"smollm2-135m-dspark"`), a folder
+    or a Hub id; `"fresh"` asks for an untrained draft. With `draft=None` the shipped DSpark draft is used when
+    `target` is the default target (same vocabulary and hidden size) and the draft is installed; otherwise a
+    fresh draft. A fresh draft is untrained (one layer, Markov rank 64 unless overridden, seeded): its output
+    is still exactly the target's, but almost every drafted token is rejected.
 
     Returns:
         `tuple[DSparkDraftModel, bool]`: the draft in eval mode, and whether it is a fresh one.
@@ -101,11 +130,23 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
 
     from .modeling import DSparkDraftModel
 
-    if draft is not None:
-        return DSparkDraftModel.from_pretrained(draft, target=target).eval(), False
+    if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
+        draft = DEFAULT_DRAFT
+    if draft is not None and draft != "fresh":
+        return DSparkDraftModel.from_pretrained(resolve_draft(draft), target=target).eval(), False
     torch.manual_seed(seed)
     overrides = {"num_hidden_layers": 1, "markov_rank": 64, **fresh_overrides}
     return DSparkDraftModel.from_target(target, **overrides).eval(), True
+
+
+def _is_default_target(target) -> bool:
+    config = target.config
+    return (
+        getattr(config, "_name_or_path", None) == DEFAULT_TARGET_HUB_ID
+        and config.vocab_size == 49152
+        and config.hidden_size == 576
+        and config.num_hidden_layers == 30
+    )
 
 
 def chat_inputs(tokenizer, text: str) -> dict:

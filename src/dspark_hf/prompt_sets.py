@@ -153,7 +153,8 @@ def _stdlib_code_prompts() -> list[str]:
             if not doc or len(doc) < 40:
                 continue
             try:
-                signature = str(inspect.signature(obj))
+                # a default such as `<object object at 0x7f…>` would make the prompt differ between runs
+                signature = re.sub(r" at 0x[0-9a-fA-F]+>", ">", str(inspect.signature(obj)))
             except (TypeError, ValueError):
                 continue
             summary = doc.split("\n\n")[0].replace("\n", " ")
@@ -202,3 +203,22 @@ def training_prompts(n_chat: int, n_code: int, n_math: int, seed: int = 0) -> li
     rows += [{"prompt": p, "source": "stdlib"} for p in rng.sample(code, min(n_code, len(code)))]
     rows += [{"prompt": p, "source": "math"} for p in _math_prompts(n_math, rng)]
     return rows
+
+
+def calibration_prompts(n: int, n_chat_trained: int, seed: int = 0) -> list[dict]:
+    """Prompts for fitting the confidence calibration: in the training distribution, but neither trained on
+    nor evaluated on.
+
+    ShareGPT first turns (before the held-out slice) that [`training_prompts`] with the same `seed` and
+    `n_chat=n_chat_trained` did not pick, and templated word problems with fresh numbers, alternating.
+    """
+    rng = random.Random(seed)
+    conversations = sharegpt_conversations()[:SHAREGPT_HELDOUT_START]
+    chat = sorted({t for t in (_usable_first_turn(c, max_chars=600) for c in conversations) if t is not None})
+    trained = set(rng.sample(chat, min(n_chat_trained, len(chat))))
+    unused = [p for p in chat if p not in trained]
+    pick = random.Random(seed + 1)
+    chat_rows = [{"prompt": p, "source": "sharegpt"} for p in pick.sample(unused, min((n + 1) // 2, len(unused)))]
+    math_rows = [{"prompt": p, "source": "math"} for p in _math_prompts(n // 2, random.Random(seed + 2))]
+    rows = [row for pair in zip(chat_rows, math_rows) for row in pair] + chat_rows[len(math_rows) :]
+    return rows[:n]

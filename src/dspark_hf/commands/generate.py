@@ -12,7 +12,7 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="user message (chat template applied)")
     parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default=None, help="draft path or Hub id (default: a fresh, untrained draft)")
+    parser.add_argument("--draft", default=None, help="shipped draft name, folder or Hub id (default: the shipped DSpark draft for the default target; 'fresh' for an untrained one)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument(
@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     draft, fresh = load_draft(target, args.draft, seed=args.seed)
     if fresh:
         print(
-            "note: no trained draft given (--draft), so this run uses a fresh, untrained draft: almost every drafted "
+            "note: no trained draft for this target (--draft), so this run uses a fresh, untrained draft: almost every drafted "
             "token is rejected, τ stays near 1 and there is no speedup. Output is still exactly the target's."
         )
     inputs = chat_inputs(tokenizer, args.prompt)
