@@ -1,0 +1,47 @@
+"""`dspark demo`: the Gradio app (see `dspark_hf.demo`), on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft path, Hub id or shipped draft name (default: the shipped draft, else fresh)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument(
+        "--share", action="store_true", help="also open a public gradio.live link (off by default: nothing public)"
+    )
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest conversation accepted, in tokens")
+    parser.add_argument("--max-new-tokens-cap", type=int, default=256, help="upper limit of the max-new-tokens control")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark_hf.default_model import load_default_target, load_draft
+    from dspark_hf.demo import Caps, _import_gradio, build_app
+
+    _import_gradio()  # fail before loading models if the extra is missing
+    try:
+        caps = Caps(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap)
+    except ValueError as err:
+        raise SystemExit(f"dspark demo: {err}") from err
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.target is None:
+        target, tokenizer = load_default_target()
+    else:
+        target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    draft, fresh = load_draft(target, args.draft)
+    app = build_app(target, tokenizer, draft, fresh=fresh, caps=caps)
+    app.launch(server_name=args.host, server_port=args.port, share=args.share)
+    return 0
