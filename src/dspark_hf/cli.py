@@ -19,6 +19,10 @@ COMMANDS = {
         "calibrate",
         "Fit the confidence head's temperatures (STS) on held-out prompts; report ECE/AUROC/Brier.",
     ),
+    "eval": (
+        "eval",
+        "Evaluate drafts on GSM8K/HumanEval/MT-Bench/ShareGPT: τ, acceptance by position, speedup, quality parity.",
+    ),
 }
 
 

