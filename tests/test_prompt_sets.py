@@ -10,6 +10,7 @@ from dspark_hf.prompt_sets import (
     EVAL_SETS,
     SHAREGPT_HELDOUT_START,
     _usable_first_turn,
+    calibration_prompts,
     load_prompt_set,
     sharegpt_conversations,
     training_prompts,
@@ -91,3 +92,11 @@ def test_training_sharegpt_prompts_come_from_before_the_heldout_slice():
     assert all(first_index[p] < SHAREGPT_HELDOUT_START for p in chat)
     held_out = load_prompt_set("sharegpt")
     assert all(int(item.id.removeprefix("sharegpt-")) >= SHAREGPT_HELDOUT_START for item in held_out)
+
+
+def test_calibration_prompts_are_neither_trained_on_nor_evaluated():
+    _require_all()
+    calibration = [r["prompt"].strip() for r in calibration_prompts(64, n_chat_trained=TRAINING["n_chat"], seed=0)]
+    assert len(calibration) == 64
+    assert not set(calibration) & _eval_texts()
+    assert not set(calibration) & {r["prompt"].strip() for r in training_prompts(**TRAINING)}
