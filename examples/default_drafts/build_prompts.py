@@ -22,6 +22,14 @@ parser.add_argument("--chat", type=int, default=1100, help="ShareGPT first turns
 parser.add_argument("--code", type=int, default=300, help="write-this-function requests from the stdlib.")
 parser.add_argument("--math", type=int, default=300, help="templated arithmetic word problems.")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--first-stage",
+    type=int,
+    default=432,
+    help="prompts answered in the first stage (the shortest); the second stage file takes every code and math "
+    "prompt after them and every 4th ShareGPT one (the shipped drafts' data: stage 1 was cut for time).",
+)
+parser.add_argument("--second-stage-output", default="data/prompts_stage2.jsonl")
 parser.add_argument("--calibration", type=int, default=64, help="calibration prompts, disjoint from training.")
 parser.add_argument("--calibration-output", default="data/calibration_prompts.jsonl")
 args = parser.parse_args()
@@ -35,6 +43,13 @@ with out.open("w", encoding="utf-8") as f:
     for row in rows:
         f.write(json.dumps(row) + "\n")
 print(f"wrote {len(rows)} prompts to {out}")
+rest = rows[args.first_stage :]
+stage2 = [r for r in rest if r["source"] != "sharegpt"] + [r for r in rest if r["source"] == "sharegpt"][::4]
+stage2.sort(key=lambda r: rows.index(r))
+with Path(args.second_stage_output).open("w", encoding="utf-8") as f:
+    for row in stage2:
+        f.write(json.dumps(row) + "\n")
+print(f"wrote {len(stage2)} second-stage prompts to {args.second_stage_output}")
 
 calibration = calibration_prompts(args.calibration, n_chat_trained=args.chat, seed=args.seed)
 trained = {r["prompt"] for r in rows}

@@ -52,8 +52,10 @@ def main(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         do_sample=sample,
         temperature=args.temperature if sample else None,
-        top_p=None,
-        top_k=None,
+        # plain sampling at the given temperature: top_k=0 / top_p=1.0 switch those filters off (None inside a
+        # GenerationConfig would fall back to transformers' default top-k of 50)
+        top_p=1.0,
+        top_k=0,
         eos_token_id=target.generation_config.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
         dspark_policy=args.policy,
