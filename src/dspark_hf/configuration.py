@@ -83,6 +83,10 @@ class DSparkConfig(PreTrainedConfig):
             Temperature Scaling). Defaults to all 1.0 (uncalibrated).
         confidence_calibrated (`bool`, *optional*, defaults to `False`): set by calibration; a calibrated
             draft defaults to the hardware-aware verification policy.
+        draft_vocab_size (`int`, *optional*): `K`, the size of the draft-side vocabulary subset the draft
+            proposes from at inference (the ids are the model's `draft_vocab_ids` buffer, saved with the
+            weights). `None` (the default) is the full vocabulary. Set both with
+            [`DSparkDraftModel.set_draft_vocab`]; see `docs/draft-vocab.md`.
         target_name_or_path (`str`, *optional*): provenance: the target this draft was built for.
         target_revision (`str`, *optional*): provenance: the target's revision (commit or tag).
         target_hidden_size (`int`, *optional*): provenance: the target's hidden size.
@@ -117,6 +121,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_with_markov: bool = True
     calibration_temperatures: list[float] | None = None
     confidence_calibrated: bool = False
+    draft_vocab_size: int | None = None
     target_name_or_path: str | None = None
     target_revision: str | None = None
     target_hidden_size: int | None = None
@@ -213,6 +218,12 @@ class DSparkConfig(PreTrainedConfig):
             )
         if any(t <= 0 for t in self.calibration_temperatures):
             raise ValueError(f"DSparkConfig.calibration_temperatures={self.calibration_temperatures} must all be > 0.")
+        k = self.draft_vocab_size
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.vocab_size):
+            raise ValueError(
+                f"DSparkConfig.draft_vocab_size={k!r} must be None (full vocabulary) or an integer in "
+                f"[1, {self.vocab_size}]; set it together with the ids through `draft.set_draft_vocab(ids)`."
+            )
         if self.target_hidden_size != self.hidden_size:
             raise ValueError(
                 f"DSparkConfig.hidden_size={self.hidden_size} differs from target_hidden_size="

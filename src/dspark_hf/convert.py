@@ -20,12 +20,17 @@ Mapping (DeepSpec → `DSparkConfig`):
 Weights keep their names (`fc`, `hidden_norm`, `norm`, `layers.*`, `markov_head.*`, `confidence_head.*`);
 `embed_tokens.weight` and `lm_head.weight` are frozen copies of the target's, dropped on import (the draft
 binds the target's own) and written back from the bound target on export.
+
+A draft vocabulary subset (`set_draft_vocab`, `docs/draft-vocab.md`) has no place in DeepSpec's format, whose
+servers draft over the full vocabulary: export writes the full-vocabulary draft and drops the subset with a
+warning (save with `save_pretrained` to keep it); import gives a full-vocabulary draft.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -228,8 +233,17 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
         base["confidence_head_with_markov"] = c.uses_markov_feature
     if c.sequential_head != "none":
         base["markov_head_type"] = _HEAD_TO_DEEPSPEC[c.sequential_head]
+    if draft.draft_vocab_ids is not None:
+        warnings.warn(
+            f"DeepSpec's format has no draft vocabulary subset: the exported draft proposes from the full "
+            f"vocabulary and the subset of {c.draft_vocab_size} ids is dropped. Keep it with "
+            "`draft.save_pretrained(...)` (dspark format).",
+            UserWarning,
+            stacklevel=2,
+        )
     dtype = dtype or draft.dtype
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
     tensors["lm_head.weight"] = head.weight.detach().to(dtype).contiguous().clone()
     os.makedirs(save_directory, exist_ok=True)

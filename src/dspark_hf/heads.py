@@ -9,15 +9,19 @@
   Markov embedding; never the token `x_k` it judges, which is what keeps scheduling on it lossless.
 
 Each head works in two modes: `step` (one position, inference) and `forward` (a whole block with teacher
-forcing, training). Both compute the same function; a test checks that.
+forcing, training). Both compute the same function; a test checks that. At inference the sequential head's
+bias can be restricted to a draft vocabulary subset (`vocab_ids`, see `dspark_hf.vocab`): only those
+columns of the `r × V` output projection are computed. Training always uses the full vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .configuration import DSparkConfig
+from .vocab import SubsetRows
 
 
 class MarkovHead(nn.Module):
@@ -32,6 +36,7 @@ class MarkovHead(nn.Module):
         self.rank = config.markov_rank
         self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
         self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        self._w2_rows = SubsetRows()  # W2[S] of the draft vocabulary, gathered once (not a parameter)
 
     def init_state(self, batch: int, ref: torch.Tensor) -> torch.Tensor | None:
         """Recurrent state before the first position (`None`: this head has none)."""
@@ -47,17 +52,27 @@ class MarkovHead(nn.Module):
         """One position, before the output projection: returns the rank-`r` feature and the next state."""
         return prev_embed, state
 
-    def project(self, features: torch.Tensor) -> torch.Tensor:
+    def project(self, features: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`W2 · feature`: the logit bias `[..., V]`. The only `r × V` product, so it is kept separate: a
-        whole block's features can be projected in one pass over `W2` instead of one pass per position."""
-        return self.markov_w2(features)
+        whole block's features can be projected in one pass over `W2` instead of one pass per position.
+
+        With `vocab_ids` (`torch.LongTensor` `[K]`, a draft vocabulary subset) only those columns are
+        computed: `[..., K]`, equal to `project(features)[..., vocab_ids]` up to float rounding.
+        """
+        if vocab_ids is None:
+            return self.markov_w2(features)
+        return F.linear(features, self._w2_rows(self.markov_w2.weight, vocab_ids))
 
     def step(
-        self, hidden: torch.Tensor, prev_embed: torch.Tensor, state: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        prev_embed: torch.Tensor,
+        state: torch.Tensor | None,
+        vocab_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One position: returns the logit bias `[..., V]` and the next state."""
+        """One position: returns the logit bias `[..., V]` (`[..., K]` with `vocab_ids`) and the next state."""
         feature, state = self.features(hidden, prev_embed, state)
-        return self.project(feature), state
+        return self.project(feature, vocab_ids), state
 
     def block_features(
         self, hidden: torch.Tensor, prev_tokens: torch.Tensor

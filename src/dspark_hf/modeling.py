@@ -13,6 +13,12 @@ Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target
 4. The sequential head adds `B_k(x_{k-1})` to `U_k` while tokens are sampled left to right, and the
    confidence head scores each position (see `dspark_hf.generation`).
 
+At inference the draft may propose from a vocabulary subset `S` only (`set_draft_vocab`, FR-Spec style):
+`draft_logits` then computes `U` for the `K` ids of `S`, the sequential head's bias likewise, and
+`expand_draft_logits` puts them back into a full-vocabulary row with `-inf` outside `S`, so the
+distribution handed to verification is exactly the one the token was drawn from. Training and `forward`
+always use the full vocabulary.
+
 The target's embedding and LM head are *bound*, not owned: they are neither trained nor saved with the
 draft (a Qwen3-4B target would add ~1.5 GB of copies to every checkpoint). Call `bind_target` (done
 automatically by `generate()`), or load with `DSparkDraftModel.from_pretrained(path, target=target)`.
@@ -31,6 +37,7 @@ from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+from .vocab import SubsetRows, validate_vocab_ids
 
 
 class RMSNorm(nn.Module):
@@ -222,6 +229,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # Bound target modules live in a plain tuple (embedding, LM head, target) so that nn.Module does not
         # register them: they are neither parameters of the draft nor saved with it.
         self._bound: tuple[nn.Module, nn.Module, nn.Module] | None = None
+        # The draft vocabulary subset S (sorted ids, int64 [K]) or None for the full vocabulary. A buffer, so it
+        # is saved in model.safetensors; a None buffer is not part of the state dict, so drafts without a
+        # subset (and every checkpoint written before subsets existed) have exactly the keys they always had.
+        # The -1 placeholder is overwritten by the checkpoint; `from_pretrained` checks that it was.
+        k = config.draft_vocab_size
+        self.register_buffer("draft_vocab_ids", None if k is None else torch.full((k,), -1, dtype=torch.long))
+        self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
         self.policy = None  # default verification policy for generate(); see dspark_hf.scheduler
         self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
         self.last_generation_stats = None
@@ -263,10 +277,22 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             draft = load_deepspec_checkpoint(path, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
-            draft = super().from_pretrained(path, *args, **kwargs)
+            want_info = kwargs.pop("output_loading_info", False)
+            draft, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
             _own_aligned_storage(draft)
+            # transformers leaves a missing buffer uninitialised (with a warning); for the draft vocabulary
+            # that would be arbitrary ids, so a config that promises a subset must come with its ids.
+            if "draft_vocab_ids" in info.get("missing_keys", ()):
+                raise ValueError(
+                    f"{path}: config.json sets draft_vocab_size={draft.config.draft_vocab_size} but the weights "
+                    "hold no `draft_vocab_ids`. Re-save the draft after `draft.set_draft_vocab(ids)`, or remove "
+                    "`draft_vocab_size` from config.json to use the full vocabulary."
+                )
+            draft._check_loaded_draft_vocab(path)
+            if want_info:
+                draft = (draft, info)
         if target is not None:
-            draft.bind_target(target)
+            (draft[0] if isinstance(draft, tuple) else draft).bind_target(target)
         return draft
 
     def push_to_hub(self, repo_id: str, *, format: str = "dspark", **kwargs):  # noqa: A002
@@ -327,6 +353,92 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         head = self._require_bound()[1]
         logits = head(hidden.to(head.weight.dtype))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    # ------------------------------------------------------------------ draft vocabulary subset (inference)
+    def set_draft_vocab(self, token_ids) -> DSparkDraftModel:
+        """Let the draft propose only `token_ids` (a subset `S` of the vocabulary), or all tokens again with `None`.
+
+        The draft then computes its logits only for `S` (base logits and the sequential head's bias), which
+        saves most of its LM-head cost on a large vocabulary. Generation stays exactly the target's: greedy
+        verification compares tokens, and in sampling the draft's `q` is zero outside `S`, which rejection
+        sampling handles exactly. A token outside `S` is never drafted, so acceptance drops where the target
+        picks one. The subset is an inference-time choice: training and `forward` use the full vocabulary.
+        It is saved with the draft (`draft_vocab_ids` in `model.safetensors`, `draft_vocab_size` in the
+        config); DeepSpec export drops it (with a warning).
+
+        Args:
+            token_ids (`Sequence[int]`, `torch.LongTensor` or `None`): unique ids in `[0, vocab_size)`, at
+                least one; stored sorted. Pick them with [`dspark_hf.vocab.frequent_token_ids`], and include
+                the EOS / end-of-turn tokens. `None` restores the full vocabulary.
+
+        Returns:
+            [`DSparkDraftModel`]: the draft itself.
+        """
+        if token_ids is None:
+            self.draft_vocab_ids = None
+            self.config.draft_vocab_size = None
+            return self
+        ids = validate_vocab_ids(token_ids, self.config.vocab_size)
+        self.draft_vocab_ids = ids.to(self.device)
+        self.config.draft_vocab_size = int(ids.numel())
+        return self
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Base logits over the draft vocabulary: `[..., K]` with a subset `S`, else `[..., V]` (= `lm_head`).
+
+        Column `j` belongs to token `draft_vocab_ids[j]`; [`expand_draft_logits`] maps a row back to the full
+        vocabulary. Inference only (the restricted LM-head rows are cached, not differentiated).
+        """
+        ids = self.draft_vocab_ids
+        if ids is None:
+            return self.lm_head(hidden)
+        head = self._require_bound()[1]
+        if type(head) is not nn.Linear:  # a wrapped or quantized head: exact, just no saving
+            return self.lm_head(hidden)[..., ids.to(hidden.device)]
+        weight = self._head_rows(head.weight, ids)
+        bias = self._head_bias_rows(head.bias, ids) if head.bias is not None else None
+        logits = F.linear(hidden.to(weight.dtype), weight, bias)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits `[..., K]` → full-vocabulary logits `[..., V]`, `-inf` outside the subset.
+
+        The identity without a subset. Softmax of the result is the draft's distribution over the whole
+        vocabulary (zero outside `S`), which is what verification must receive as `q`.
+        """
+        ids = self.draft_vocab_ids
+        if ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., ids.to(logits.device)] = logits
+        return full
+
+    def full_vocab_logits(
+        self, hidden: torch.Tensor, prev_embed: torch.Tensor | None, state: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Unrestricted logits `U + B` `[..., V]` of one position (whatever the draft vocabulary).
+
+        The fallback for a position where the logits processors leave no token of the subset (e.g.
+        `suppress_tokens` covering it): sampling then proceeds from the full vocabulary at that position.
+        """
+        logits = self.lm_head(hidden)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.step(hidden, prev_embed, state)[0].to(logits.dtype)
+        return logits
+
+    def _check_loaded_draft_vocab(self, path: str) -> None:
+        """After loading: a config with `draft_vocab_size` needs the ids in the weights (not the placeholder)."""
+        ids = self.draft_vocab_ids
+        if ids is None:
+            return
+        try:
+            validate_vocab_ids(ids, self.config.vocab_size)
+        except ValueError as err:
+            raise ValueError(
+                f"{path}: config.json sets draft_vocab_size={self.config.draft_vocab_size} but model.safetensors "
+                f"holds no valid `draft_vocab_ids` ({err}). Re-save the draft after `set_draft_vocab(ids)`, or "
+                "remove `draft_vocab_size` from config.json to use the full vocabulary."
+            ) from None
 
     # ------------------------------------------------------------------ the three stages
     def project_context(self, target_hidden_states: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
