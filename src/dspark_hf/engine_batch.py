@@ -28,7 +28,9 @@ and request bookkeeping (that is `dspark_hf.engine`):
   γ per row, so only its context is padded).
 * [`sample_block`] is the sequential head, vectorised over rows, with each request's logits processors and
   random generator; [`accept_row`] applies greedy or rejection-sampling acceptance
-  (`dspark_hf.verification`) to one row.
+  (`dspark_hf.verification`) to one row. With a draft vocabulary subset (`draft.set_draft_vocab`) both
+  compute logits over the subset only, and `sample_block` expands them to the full vocabulary (`-inf`
+  outside the subset) before the processors, exactly as `generate()` does.
 * [`build_processors`] and [`context_limit`] turn a request's sampling parameters and the target's config
   into the processors and the length cap the rows above use.
 """
@@ -322,7 +324,8 @@ def draft_block(draft, stores: list[KVStore], anchors: list[int]) -> tuple[torch
     Contexts are right-padded to the longest and masked out.
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: final states `[R, γ, d]` and base logits `[R, γ, V]`.
+        `tuple[torch.Tensor, torch.Tensor]`: final states `[R, γ, d]` and base logits `[R, γ, K]` over the draft
+        vocabulary (`K = V` without a subset; see `DSparkDraftModel.draft_logits`).
     """
     gamma = draft.config.block_size
     device = draft.device
@@ -339,7 +342,7 @@ def draft_block(draft, stores: list[KVStore], anchors: list[int]) -> tuple[torch
     block[:, 0] = torch.tensor(anchors)
     positions = torch.tensor(lengths)[:, None] + torch.arange(gamma)
     hidden = draft.run_backbone(draft.embed_tokens(block.to(device)), positions.to(device), context, mask.to(device))
-    return hidden, draft.lm_head(hidden)
+    return hidden, draft.draft_logits(hidden)
 
 
 @dataclass
@@ -385,12 +388,16 @@ def sample_block(
     """The sequential head for all rows: `q_k = process(U_k + B_k(x_{k-1}))`, `x_k ~ q_k`, left to right.
 
     The head's step is batched over rows; processors and sampling run per row (each request has its own).
+    `base_logits` is `[R, γ, K]` over the draft vocabulary; each position's logits are expanded to `[R, V]`
+    (`-inf` outside the subset) before the processors, and a row the processors leave without any token of
+    the subset falls back to the full vocabulary at that position.
 
     Returns:
         `tuple`: drafted tokens `[R, γ]`, processed draft logits `[R, γ, V]` (the `q` of verification) and
         confidence logits `[R, γ]` (`None` without a confidence head).
     """
     head, conf_head = draft.markov_head, draft.confidence_head
+    vocab = draft.draft_vocab_ids
     rows, gamma = hidden.shape[:2]
     device = draft.device
     prev = torch.tensor(anchors, device=device)
@@ -400,14 +407,21 @@ def sample_block(
     for k in range(gamma):
         h_k = hidden[:, k]
         prev_embed = head.embed(prev) if head is not None else None
-        logits = base_logits[:, k]
+        logits, state_before = base_logits[:, k], state
         if head is not None:
-            bias, state = head.step(h_k, prev_embed, state)
+            bias, state = head.step(h_k, prev_embed, state, vocab)
             logits = logits + bias.to(logits.dtype)
         if conf_head is not None:
             conf_out.append(conf_head(h_k, prev_embed).float())
+        logits = draft.expand_draft_logits(logits)  # [R, V]: -inf outside the draft vocabulary
         if any(s.processors for s in samplers):
             logits = torch.cat([s.process(seq, logits[r : r + 1]) for r, (s, seq) in enumerate(zip(samplers, seqs))])
+        if vocab is not None:  # rows whose processors excluded the whole subset: full vocabulary there
+            for r in (~torch.isfinite(logits).any(dim=-1)).nonzero()[:, 0].tolist():
+                row_state = state_before[r : r + 1] if state_before is not None else None
+                embed_r = prev_embed[r : r + 1] if prev_embed is not None else None
+                full = draft.full_vocab_logits(h_k[r : r + 1], embed_r, row_state)
+                logits[r] = samplers[r].process(seqs[r], full)[0].to(logits.dtype)
         if any(s.do_sample for s in samplers):
             picked = [s.pick(logits[r]) for r, s in enumerate(samplers)]
         else:

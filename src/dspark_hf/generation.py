@@ -12,6 +12,10 @@ previous forward output (with the hidden states we ask for through `model_kwargs
 `(ids, logits)`: the sequence plus `k` candidates and the `k` processed draft distributions (the `q` of
 rejection sampling), or `(input_ids, None)` for an ordinary target step. Verification, acceptance and the
 target's cache rollback stay in transformers; exactness never depends on the draft.
+
+With a draft vocabulary subset `S` (`draft.set_draft_vocab`) the draft computes its logits for `S` only;
+before the logits processors run they are expanded to the full vocabulary with `-inf` outside `S`, so the
+returned `q` is exactly the (processed) distribution each token was drawn from, zero outside `S`.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class _GuessedPath:
     """Sequential-head outputs precomputed along a guessed path of previous tokens (greedy drafting)."""
 
     prev_tokens: list[int]
-    bias: torch.Tensor  # [γ, V]
+    bias: torch.Tensor  # [γ, K] over the draft vocabulary (K = V without a subset)
     embeds: torch.Tensor  # [γ, r]
     states: list[torch.Tensor | None]  # head state after each position
 
@@ -178,7 +182,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.draft.extend_context(self.cache, context, positions)
 
     def _draft_block(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One backbone forward over `[anchor, mask × (γ-1)]` → final states `[γ, d]`, base logits `[γ, V]`."""
+        """One backbone forward over `[anchor, mask × (γ-1)]` → final states `[γ, d]`, base logits `[γ, K]`.
+
+        `K` is the draft vocabulary's size (`V` without a subset; see `DSparkDraftModel.draft_logits`).
+        """
         gamma = self.config.block_size
         device = self.draft.device
         block = torch.full((1, gamma), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -186,7 +193,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         anchor_pos = input_ids.shape[1] - 1
         positions = torch.arange(anchor_pos, anchor_pos + gamma, device=device)[None]
         hidden = self.draft.run_backbone(self.draft.embed_tokens(block), positions, self.cache)
-        return hidden[0], self.draft.lm_head(hidden)[0]
+        return hidden[0], self.draft.draft_logits(hidden)[0]
 
     def _sample_sequentially(
         self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor
@@ -195,6 +202,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
         Returns the drafted tokens `[γ]`, the processed logits `[γ, V]` (the distributions the tokens were
         drawn from, as verification requires) and the confidence logits `[γ]` (or `None`).
+
+        With a draft vocabulary subset, `U_k + B_k` is computed over the subset (`base_logits` is `[γ, K]`)
+        and expanded to `[1, V]` with `-inf` outside it *before* the processors, so processors see token ids
+        as usual and the token is drawn from exactly the processed row that is returned. If the processors
+        leave no token of the subset (e.g. `suppress_tokens` covering it), that position falls back to the
+        full vocabulary.
 
         The sequential head's only expensive part is its `r × V` output projection. In greedy mode the
         biases of a *guessed* path (each previous token = the argmax of the base logits) are projected in
@@ -206,6 +219,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         head, conf_head = draft.markov_head, draft.confidence_head
         gamma = base_logits.shape[0]
         anchor = int(input_ids[0, -1])
+        vocab = draft.draft_vocab_ids
         guess = self._guessed_path(anchor, hidden, base_logits) if head is not None and not self.do_sample else None
         prev = anchor
         state = head.init_state(1, hidden) if head is not None else None
@@ -214,19 +228,24 @@ class DSparkCandidateGenerator(CandidateGenerator):
         for k in range(gamma):
             h_k = hidden[k : k + 1]
             logits = base_logits[k : k + 1]
-            prev_embed = None
+            prev_embed, state_before = None, state
             if head is not None:
                 if guess is not None and prev == guess.prev_tokens[k]:
                     bias, prev_embed, state = guess.bias[k : k + 1], guess.embeds[k : k + 1], guess.states[k]
                 else:
                     guess = None  # diverged from the guessed path: exact per-position computation from here
                     prev_embed = head.embed(torch.tensor([prev], device=draft.device))
-                    bias, state = head.step(h_k, prev_embed, state)
+                    bias, state = head.step(h_k, prev_embed, state, vocab)
                 logits = logits + bias.to(logits.dtype)
             if conf_head is not None:  # computed under every policy: statistics and calibration read it
                 conf_out.append(conf_head(h_k, prev_embed).float())
+            logits = draft.expand_draft_logits(logits)  # [1, V]: -inf outside the draft vocabulary
             if self.logits_processor:
                 logits = self.logits_processor(seq, logits.to(seq.device)).to(draft.device)
+            if vocab is not None and not torch.isfinite(logits).any():  # the processors excluded all of S
+                logits = draft.full_vocab_logits(h_k, prev_embed, state_before)
+                if self.logits_processor:
+                    logits = self.logits_processor(seq, logits.to(seq.device)).to(draft.device)
             if self.do_sample:
                 token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)[:, 0]
             else:
@@ -240,10 +259,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _guessed_path(self, anchor: int, hidden: torch.Tensor, base_logits: torch.Tensor) -> _GuessedPath:
         """The sequential head along previous tokens `[anchor, argmax U_1, …, argmax U_{γ-1}]`."""
-        head = self.draft.markov_head
-        prev_tokens = torch.cat([torch.tensor([anchor]), base_logits[:-1].argmax(dim=-1).cpu()])
+        head, vocab = self.draft.markov_head, self.draft.draft_vocab_ids
+        guessed = base_logits[:-1].argmax(dim=-1)  # columns of the draft vocabulary
+        if vocab is not None:
+            guessed = vocab[guessed]
+        prev_tokens = torch.cat([torch.tensor([anchor]), guessed.cpu()])
         features, embeds, states = head.block_features(hidden[None], prev_tokens[None].to(hidden.device))
-        return _GuessedPath(prev_tokens.tolist(), head.project(features[0]), embeds[0], states)
+        return _GuessedPath(prev_tokens.tolist(), head.project(features[0], vocab), embeds[0], states)
 
     def _schedule(self, tokens: torch.Tensor, conf_logits: torch.Tensor | None, gamma: int) -> tuple[int, RoundStats]:
         """Ask the policy how many of the first `gamma` drafted tokens to verify."""
