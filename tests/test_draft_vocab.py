@@ -93,6 +93,12 @@ def test_set_draft_vocab_validates_and_round_trips_config():
     for k in (0, VOCAB + 1, 2.5):
         with pytest.raises(ValueError, match="draft_vocab_size"):
             DSparkConfig.from_target(target, draft_vocab_size=k)
+    # a size without ids: refused by from_target, and by generate() for a draft built directly from a config
+    with pytest.raises(ValueError, match="set_draft_vocab"):
+        DSparkDraftModel.from_target(target, num_hidden_layers=1, draft_vocab_size=8)
+    unfilled = DSparkDraftModel(DSparkConfig.from_target(target, num_hidden_layers=1, draft_vocab_size=8))
+    with pytest.raises(ValueError, match="never filled in"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, assistant_model=unfilled.to(target.dtype))
 
 
 def test_frequent_token_ids():

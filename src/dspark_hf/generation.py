@@ -102,6 +102,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.schedule_context.sps = get_sps_profile(target).sps
         layers = [i + 1 for i in self.config.target_layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": layers if _HIDDEN_STATES_BY_INDEX else True}
+        if draft.draft_vocab_ids is not None and int(draft.draft_vocab_ids.min()) < 0:
+            raise ValueError(
+                f"The draft's config sets draft_vocab_size={draft.config.draft_vocab_size} but its draft_vocab_ids "
+                "were never filled in (a draft built directly from such a config). Call "
+                "`draft.set_draft_vocab(ids)`, or load the draft with `DSparkDraftModel.from_pretrained`."
+            )
         self.cache = DSparkCache(len(draft.layers))
         self.temperatures = torch.tensor(self.config.calibration_temperatures, dtype=torch.float32)
         self.stats = GenerationStats(block_size=self.config.block_size, policy=repr(self.policy))

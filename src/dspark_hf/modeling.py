@@ -232,7 +232,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # The draft vocabulary subset S (sorted ids, int64 [K]) or None for the full vocabulary. A buffer, so it
         # is saved in model.safetensors; a None buffer is not part of the state dict, so drafts without a
         # subset (and every checkpoint written before subsets existed) have exactly the keys they always had.
-        # The -1 placeholder is overwritten by the checkpoint; `from_pretrained` checks that it was.
+        # The -1 placeholder is overwritten by the checkpoint; `from_pretrained` checks that it was, and
+        # `generate()` refuses a draft that still holds it (one built directly from a config with a size).
         k = config.draft_vocab_size
         self.register_buffer("draft_vocab_ids", None if k is None else torch.full((k,), -1, dtype=torch.long))
         self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
@@ -250,6 +251,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             target (`PreTrainedModel`): the causal LM to accelerate.
             **config_overrides: fields of [`DSparkConfig`], e.g. `num_hidden_layers=2, block_size=5`.
         """
+        if config_overrides.get("draft_vocab_size") is not None:
+            raise ValueError(
+                f"draft_vocab_size={config_overrides['draft_vocab_size']!r} cannot be set through from_target: a "
+                "subset needs its ids, not just their count. Create the draft, then call `draft.set_draft_vocab(ids)` "
+                "(e.g. ids from `dspark_hf.vocab.frequent_token_ids`)."
+            )
         config = DSparkConfig.from_target(target, **config_overrides)
         draft = cls(config).to(device=target.device, dtype=target.dtype)
         draft.bind_target(target)
