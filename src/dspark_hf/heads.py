@@ -11,7 +11,7 @@
 Each head works in two modes: `step` (one position, inference) and `forward` (a whole block with teacher
 forcing, training). Both compute the same function; a test checks that. At inference the sequential head's
 bias can be restricted to a draft vocabulary subset (`vocab_ids`, see `dspark_hf.vocab`): only those
-columns of the `r × V` output projection are computed. Training always uses the full vocabulary.
+columns of the `r × V` output projection are computed; training can use the same subset (`forward(vocab_ids=...)`).
 """
 
 from __future__ import annotations
@@ -95,10 +95,16 @@ class MarkovHead(nn.Module):
             states.append(state)
         return torch.stack(features, dim=1), prev_embed, states
 
-    def forward(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced block. `hidden`: `[N, γ, d]`, `prev_tokens`: `[N, γ]` → (bias `[N, γ, V]`, embeds)."""
+    def forward(
+        self, hidden: torch.Tensor, prev_tokens: torch.Tensor, vocab_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced block. `hidden`: `[N, γ, d]`, `prev_tokens`: `[N, γ]` → (bias `[N, γ, V]`, embeds).
+
+        With `vocab_ids` the bias covers only those columns (`[N, γ, K]`); training on a vocabulary subset
+        uses this (gradients flow to the selected rows of `W2`).
+        """
         features, prev_embed, _ = self.block_features(hidden, prev_tokens)
-        return self.project(features), prev_embed
+        return self.project(features, vocab_ids), prev_embed
 
 
 class GatedMarkovHead(MarkovHead):

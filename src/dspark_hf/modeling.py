@@ -16,8 +16,8 @@ Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target
 At inference the draft may propose from a vocabulary subset `S` only (`set_draft_vocab`, FR-Spec style):
 `draft_logits` then computes `U` for the `K` ids of `S`, the sequential head's bias likewise, and
 `expand_draft_logits` puts them back into a full-vocabulary row with `-inf` outside `S`, so the
-distribution handed to verification is exactly the one the token was drawn from. Training and `forward`
-always use the full vocabulary.
+distribution handed to verification is exactly the one the token was drawn from. `forward` (training) uses
+the full vocabulary unless asked for the subset (`restrict_vocab=True`, `dspark train --draft_vocab_size K`).
 
 The target's embedding and LM head are *bound*, not owned: they are neither trained nor saved with the
 draft (a Qwen3-4B target would add ~1.5 GB of copies to every checkpoint). Call `bind_target` (done
@@ -369,7 +369,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         saves most of its LM-head cost on a large vocabulary. Generation stays exactly the target's: greedy
         verification compares tokens, and in sampling the draft's `q` is zero outside `S`, which rejection
         sampling handles exactly. A token outside `S` is never drafted, so acceptance drops where the target
-        picks one. The subset is an inference-time choice: training and `forward` use the full vocabulary.
+        picks one. Training may use the same subset (`forward(..., restrict_vocab=True)`; `dspark train
+        --draft_vocab_size K` picks the K most frequent response tokens).
         It is saved with the draft (`draft_vocab_ids` in `model.safetensors`, `draft_vocab_size` in the
         config); DeepSpec export drops it (with a warning).
 
@@ -496,6 +497,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         prev_token_ids: torch.Tensor,
         context_position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        restrict_vocab: bool = False,
         **kwargs,
     ) -> DSparkOutput:
         """Teacher-forced forward over one or more blocks (training and analysis).
@@ -512,6 +514,10 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             context_position_ids (`torch.LongTensor` of shape `(B, T)`, *optional*): defaults to `0..T-1`.
             attention_mask (`torch.BoolTensor` of shape `(B, 1, N·γ, T + N·γ)`, *optional*): see
                 [`block_attention_mask`]; required when `N > 1`.
+            restrict_vocab (`bool`, *optional*, defaults to `False`): compute the logits only over the draft
+                vocabulary subset (`draft_vocab_ids`, see [`set_draft_vocab`]): `logits` / `base_logits` are then
+                `[B, N·γ, K]`, column `j` being token `draft_vocab_ids[j]`. Training on a subset uses this: on a
+                CPU the LM-head products dominate a training step, and they shrink by `V / K`.
 
         Returns:
             [`DSparkOutput`]
@@ -531,13 +537,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         hidden = self.run_backbone(
             self.embed_tokens(input_ids), position_ids, self.context_kv(context, context_position_ids), attention_mask
         )
-        base_logits = self.lm_head(hidden)
+        vocab_ids = self.draft_vocab_ids if restrict_vocab else None
+        if restrict_vocab and vocab_ids is None:
+            raise ValueError("restrict_vocab=True needs a draft vocabulary subset; call set_draft_vocab(ids) first.")
+        base_logits = self.lm_head(hidden) if vocab_ids is None else self.draft_logits(hidden)
         blocks_h = hidden.reshape(bsz * seq // gamma, gamma, -1)
         blocks_prev = prev_token_ids.reshape(bsz * seq // gamma, gamma)
         prev_embed = None
         logits = base_logits
         if self.markov_head is not None:
-            bias, prev_embed = self.markov_head(blocks_h, blocks_prev)
+            bias, prev_embed = self.markov_head(blocks_h, blocks_prev, vocab_ids=vocab_ids)
             logits = base_logits + bias.reshape(bsz, seq, -1).to(base_logits.dtype)
             prev_embed = prev_embed.reshape(bsz, seq, -1)
         confidence_logits = None

@@ -128,6 +128,13 @@ class ModelArguments:
         default=None, metadata={"help": "target layers to read (default: spread)."}
     )
     mask_token_id: int | None = field(default=None, metadata={"help": "id of the mask token (default: last vocab id)."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "train and draft over the K most frequent response tokens of the training data (plus EOS); "
+            "the LM-head work of a step shrinks by V / K. Default: the full vocabulary (fresh drafts only)."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("ModelArguments", "preset", self.preset, ("dspark", "dflash"))
@@ -136,6 +143,8 @@ class ModelArguments:
             self.sequential_head = "markov" if self.preset == "dspark" else "none"
         if self.confidence_head is None:
             self.confidence_head = self.preset == "dspark"
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"ModelArguments.draft_vocab_size must be >= 1, got {self.draft_vocab_size}.")
 
     def loss_weights(self) -> dict[str, float]:
         """Default loss weights of the preset: DSpark `0.1·CE + 0.9·L1 + 1.0·BCE`, DFlash CE only."""

@@ -72,12 +72,23 @@ def target_features(
     return TargetFeatures(context=context, final=out.last_hidden_state)
 
 
-def target_logits(target, final: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The target's logits at `positions` (`[B, S]`) from final hidden states `[B, T, d]` → `[B, S, V]`, ≥ fp32."""
+def target_logits(
+    target, final: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The target's logits at `positions` (`[B, S]`) from final hidden states `[B, T, d]` → `[B, S, V]`, ≥ fp32.
+
+    With `vocab_ids` (`[K]`) only those columns: `[B, S, K]` (their softmax is the target's distribution
+    renormalised over the subset).
+    """
     gathered = torch.gather(final, 1, positions[..., None].expand(-1, -1, final.shape[-1]))
     head = target.get_output_embeddings()
     with torch.no_grad():
-        logits = head(gathered.to(head.weight.dtype))
+        if vocab_ids is None:
+            logits = head(gathered.to(head.weight.dtype))
+        else:
+            ids = vocab_ids.to(head.weight.device)
+            bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+            logits = torch.nn.functional.linear(gathered.to(head.weight.dtype), head.weight[ids], bias)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 

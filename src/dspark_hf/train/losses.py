@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+#: label value without a cross-entropy term (PyTorch's default `ignore_index`)
+IGNORE_INDEX = -100
+
 
 def position_weights(block_size: int, decay: float = 4.0, device=None) -> torch.Tensor:
     """`w_k = exp(-k / decay)` for slots `k = 0..γ-1` (DeepSpec's fixed decay is 4)."""
@@ -153,7 +156,8 @@ def dspark_loss(
     Args:
         logits (`torch.Tensor` of shape `(B, S, V)`): the draft's corrected logits `U_k + B_k`.
         target_logits (`torch.Tensor` of shape `(B, S, V)`): the target's logits predicting the same labels.
-        labels (`torch.LongTensor` of shape `(B, S)`): ground-truth tokens.
+        labels (`torch.LongTensor` of shape `(B, S)`): ground-truth tokens (`IGNORE_INDEX` = no CE term, e.g.
+            a token outside the draft vocabulary subset; the L1 and BCE terms still count).
         valid (`torch.BoolTensor` of shape `(B, S)`): slots that count (see [`build_blocks`]).
         confidence_logits (`torch.Tensor` of shape `(B, S)`, *optional*): the confidence head's logits.
         block_size (`int`): γ; `S` must be a multiple of it.
@@ -169,7 +173,9 @@ def dspark_loss(
     w_sum = w.sum()
     norm = w_sum.clamp(min=1e-12)
     logits = logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="none").reshape(bsz, slots)
+    ce = F.cross_entropy(
+        logits.reshape(-1, vocab), labels.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
+    ).reshape(bsz, slots)
     # The L1 term and the acceptance statistics need the target; computing them is cheap next to the forward,
     # so they are computed even when l1_weight is 0 (DFlash), for logging.
     q = torch.softmax(logits, dim=-1)

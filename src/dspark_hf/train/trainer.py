@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from ..modeling import DSparkDraftModel, block_attention_mask
+from ..vocab import frequent_token_ids
 from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, require
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset
 from .features import FeatureCache, pad_features, target_features, target_logits
-from .losses import LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
+from .losses import IGNORE_INDEX, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -104,13 +105,19 @@ def micro_batch_items(
 class _BlockStep:
     """Builds one micro-batch (features, anchors, blocks) and computes its loss."""
 
-    def __init__(self, target, draft_config, train_args: TrainArguments, autocast):
+    def __init__(self, target, draft_config, train_args: TrainArguments, autocast, vocab_ids=None):
         self.target = target
         self.gamma = draft_config.block_size
         self.mask_token_id = draft_config.mask_token_id
         self.layer_ids = list(draft_config.target_layer_ids)
         self.train_args = train_args
         self.autocast = autocast
+        # With a draft vocabulary subset S: logits of draft and target over S only, labels as indices into S.
+        self.vocab_ids = vocab_ids
+        self.label_index = None
+        if vocab_ids is not None:
+            self.label_index = torch.full((draft_config.vocab_size,), IGNORE_INDEX, dtype=torch.long)
+            self.label_index[vocab_ids.cpu()] = torch.arange(vocab_ids.numel())
 
     def __call__(
         self, model, dataset: TokenDataset, cache: FeatureCache | None, items: list[tuple[int, int]], num_anchors: int
@@ -134,6 +141,7 @@ class _BlockStep:
             feats = pad_features([cache.get(i) for i, _ in items], length)
             feats.context, feats.final = feats.context.to(device), feats.final.to(device)
         blocks = build_blocks(input_ids, loss_mask, anchors, self.gamma, self.mask_token_id)
+        subset = self.vocab_ids is not None
         with self.autocast():
             out = model(
                 target_hidden_states=feats.context,
@@ -141,13 +149,15 @@ class _BlockStep:
                 position_ids=blocks.position_ids,
                 prev_token_ids=blocks.prev_token_ids,
                 attention_mask=block_attention_mask(blocks.anchors, length, self.gamma),
+                **({"restrict_vocab": True} if subset else {}),
             )
-        t_logits = target_logits(self.target, feats.final, blocks.target_positions)
+        t_logits = target_logits(self.target, feats.final, blocks.target_positions, self.vocab_ids)
+        labels = self.label_index.to(blocks.labels.device)[blocks.labels] if subset else blocks.labels
         a = self.train_args
         loss = dspark_loss(
             out.logits,
             t_logits,
-            blocks.labels,
+            labels,
             blocks.valid,
             out.confidence_logits,
             block_size=self.gamma,
@@ -171,6 +181,25 @@ def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
         return DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float()
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
     return DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
+
+
+def _draft_vocab(model, model_args: ModelArguments, train_ds: TokenDataset, target) -> torch.Tensor | None:
+    """The draft vocabulary subset to train over: chosen from the training data for a fresh draft with
+    `draft_vocab_size`, or the one an `init_from` draft already carries (`None`: the full vocabulary)."""
+    draft = model if isinstance(model, DSparkDraftModel) else model.get_base_model()
+    if model_args.draft_vocab_size is not None:
+        if model_args.init_from is not None:
+            raise ValueError("draft_vocab_size applies to fresh drafts; an --init_from draft keeps its own subset.")
+        eos = target.generation_config.eos_token_id
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        ids = frequent_token_ids(
+            ((ids, mask) for ids, mask in (train_ds[i] for i in range(len(train_ds)))),
+            model_args.draft_vocab_size,
+            always=always,
+            vocab_size=draft.config.vocab_size,
+        )
+        draft.set_draft_vocab(ids)
+    return draft.draft_vocab_ids
 
 
 def _datasets(data_args: DataArguments, seed: int, train_dataset, eval_dataset):
@@ -290,6 +319,7 @@ def train(
 
     model = _build_model(target, model_args, lora_args)
     draft_config = model.config if isinstance(model, DSparkDraftModel) else model.get_base_model().config
+    vocab_ids = _draft_vocab(model, model_args, train_ds, target)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
@@ -357,7 +387,7 @@ def train(
     def autocast():
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16)
 
-    runner = _BlockStep(target, draft_config, train_args, autocast)
+    runner = _BlockStep(target, draft_config, train_args, autocast, vocab_ids)
     eval_anchors = data_args.eval_num_anchors or data_args.num_anchors
 
     def run_eval(step: int) -> dict[str, float] | None:
