@@ -17,8 +17,9 @@ from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments,
 from dspark_hf.train.data import load_token_dataset
 from dspark_hf.train.features import target_features, target_logits
 from dspark_hf.train.losses import IGNORE_INDEX, build_blocks, dspark_loss
-from helpers import make_target
 from train_helpers import make_char_tokenizer, make_chat_target
+
+from helpers import make_target
 
 HEADS = ["markov", "gated", "rnn", "none"]
 
@@ -96,8 +97,9 @@ def test_subset_loss_ignores_labels_outside_the_subset():
 def test_training_on_a_subset_saves_it_and_stays_lossless(tmp_path):
     target, tok = make_chat_target(), make_char_tokenizer()
     path = prepare_data(
-        PrepareDataArguments(output=str(tmp_path / "data.jsonl"), max_new_tokens=40, batch_size=8, device="cpu",
-                             progress=False),
+        PrepareDataArguments(
+            output=str(tmp_path / "data.jsonl"), max_new_tokens=40, batch_size=8, device="cpu", progress=False
+        ),
         target=target,
         tokenizer=tok,
         prompts=[f"prompt {i}" for i in range(16)],
@@ -106,8 +108,9 @@ def test_training_on_a_subset_saves_it_and_stays_lossless(tmp_path):
     res = train(
         ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16, draft_vocab_size=24),
         DataArguments(num_anchors=16, eval_ratio=0.25),
-        TrainArguments(output_dir=str(tmp_path / "run"), max_steps=6, per_device_batch_size=2, report_to="none",
-                       progress=False),
+        TrainArguments(
+            output_dir=str(tmp_path / "run"), max_steps=6, per_device_batch_size=2, report_to="none", progress=False
+        ),
         target=target,
         train_dataset=data,
     )
@@ -118,8 +121,12 @@ def test_training_on_a_subset_saves_it_and_stays_lossless(tmp_path):
     torch.testing.assert_close(ids, res.model.draft_vocab_ids)
     config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=1, pad_token_id=1)
     for i in range(4):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"held out {i}"}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": f"held out {i}"}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
         with torch.no_grad():
             plain = target.generate(prompt, generation_config=config)
             spec = target.generate(prompt, generation_config=config, assistant_model=saved)

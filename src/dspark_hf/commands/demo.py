@@ -24,9 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark_hf.default_model import load_default_target, load_draft
+    from dspark_hf.default_model import load_draft, load_target
     from dspark_hf.demo import Caps, _import_gradio, build_app
 
     _import_gradio()  # fail before loading models if the extra is missing
@@ -36,11 +35,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"dspark demo: {err}") from err
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        target, tokenizer = load_default_target()
-    else:
-        target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, tokenizer = load_target(args.target)
     draft, fresh = load_draft(target, args.draft)
     app = build_app(target, tokenizer, draft, fresh=fresh, caps=caps)
     app.launch(server_name=args.host, server_port=args.port, share=args.share)

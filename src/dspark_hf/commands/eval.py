@@ -68,9 +68,8 @@ def parse_draft_specs(specs: list[str] | None) -> list[tuple[str, str | None]]:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..default_model import load_default_target, load_draft
+    from ..default_model import load_draft, load_target
     from ..evaluation import evaluate_drafts
 
     if args.repeats < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
@@ -78,11 +77,7 @@ def main(args: argparse.Namespace) -> int:
     specs = parse_draft_specs(args.draft)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        target, tokenizer = load_default_target()
-    else:
-        target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, tokenizer = load_target(args.target)
     drafts, fresh = {}, []
     for name, path in specs:
         drafts[name], is_fresh = load_draft(target, path, seed=args.seed)

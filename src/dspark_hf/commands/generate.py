@@ -12,7 +12,11 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="user message (chat template applied)")
     parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default=None, help="shipped draft name, folder or Hub id (default: the shipped DSpark draft for the default target; 'fresh' for an untrained one)")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="shipped draft name, folder or Hub id (default: the shipped DSpark draft for the default target; 'fresh' for an untrained one)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument(
@@ -27,19 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
+    from dspark_hf.default_model import chat_inputs, load_draft, load_target
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("--repeats and --max-new-tokens must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        target, tokenizer = load_default_target()
-    else:
-        target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, tokenizer = load_target(args.target)
     draft, fresh = load_draft(target, args.draft, seed=args.seed)
     if fresh:
         print(

@@ -329,17 +329,11 @@ def prepare_data(
 
 
 def load_target(name_or_path: str | None, dtype: str = "float32", device: str | None = None):
-    """Load a target causal LM and its tokenizer (the default target when `name_or_path` is `None`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a target causal LM and its tokenizer (the default target when `name_or_path` is `None`), on `device`
+    (default: CUDA when available)."""
+    from ..default_model import load_target as _load
 
-    torch_dtype = getattr(torch, dtype)
-    if name_or_path is None:
-        from ..default_model import load_default_target
-
-        target, tokenizer = load_default_target(dtype=torch_dtype)
-    else:
-        target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    target, tokenizer = _load(name_or_path, dtype=getattr(torch, dtype))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return target.to(device), tokenizer
 
