@@ -48,7 +48,48 @@ def test_cli_generate_main_job(smollm, capsys):
     assert main(["generate", "What is the capital of France?", "--max-new-tokens", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "tau" in out and "speedup:" in out and "identical to plain generate(): yes" in out
-    assert "fresh, untrained draft" in out
+    assert "fresh, untrained draft" not in out  # the shipped DSpark draft is the default
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-dspark", "smollm2-135m-dflash"])
+def test_shipped_drafts_load_by_name_and_stay_lossless(smollm, name):
+    """The drafts in the package load by stable name, fit the 50 MB budget, and decode exactly."""
+    from dspark_hf.default_model import DEFAULT_DRAFT, load_draft, shipped_draft_path
+
+    target, tokenizer = smollm
+    folder = shipped_draft_path(name)
+    assert folder is not None, f"{name} is missing from the package"
+    assert (folder / "model.safetensors").stat().st_size <= 50 * 2**20
+    draft, fresh = load_draft(target, name)
+    assert not fresh and draft.draft_vocab_ids is not None
+    if name == DEFAULT_DRAFT:
+        default, fresh = load_draft(target)  # the default for the default target
+        assert not fresh and default.config.sequential_head == "markov" and default.config.confidence_calibrated
+        from dspark_hf.scheduler import HardwareAwarePolicy, resolve_policy
+
+        policy = resolve_policy(default.policy, has_confidence=True, calibrated=default.config.confidence_calibrated)
+        assert isinstance(policy, HardwareAwarePolicy)  # a calibrated draft defaults to the hardware-aware policy
+    else:
+        assert draft.config.sequential_head == "none" and draft.confidence_head is None
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    kwargs = dict(max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    plain = target.generate(**inputs, **kwargs)
+    spec = target.generate(**inputs, assistant_model=draft, **kwargs)
+    assert torch.equal(plain, spec)
+    assert draft.last_generation_stats.tau > 1.2  # trained: above the untrained draft's τ ≈ 1.0
+
+
+def test_unknown_shipped_draft_name_is_refused():
+    from dspark_hf.default_model import resolve_draft, shipped_draft_path
+
+    with pytest.raises(ValueError, match="smollm2-135m-dspark"):
+        shipped_draft_path("smollm2-135m-nope")
+    assert resolve_draft("some/hub-id") == "some/hub-id"
 
 
 def test_base_example_runs(smollm):
