@@ -2,8 +2,8 @@
 
     python examples/speculative_generate.py [--draft PATH] [--prompt TEXT] [--max-new-tokens 48]
 
-Without `--draft` a fresh (untrained) draft is used: output is still exactly the target's, but almost every
-drafted token is rejected, so expect τ ≈ 1 and no speedup.
+Without `--draft` the shipped DSpark draft for the default target is used (`--draft fresh`: an untrained one).
+Output is exactly the target's either way.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
 
     target, tokenizer = load_default_target()
-    draft, _ = load_draft(target, args.draft)  # a fresh, untrained draft without --draft
+    draft, _ = load_draft(target, args.draft)  # the shipped DSpark draft without --draft
     inputs = chat_inputs(tokenizer, args.prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     plain = target.generate(**inputs, **kwargs)
