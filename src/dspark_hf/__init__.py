@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration import DSparkConfig, default_target_layer_ids
 from .convert import export_deepspec, load_deepspec_checkpoint
+from .cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
 from .engine import DSparkEngine, RequestOutput, SamplingParams
 from .generation import DSparkCandidateGenerator, install_generate_hook
 from .modeling import DSparkDraftModel, DSparkOutput
@@ -56,6 +57,10 @@ __all__ = [
     "get_sps_profile",
     "profile_sps",
     "load_deepspec_checkpoint",
+    "pack_linear_weights",
+    "packed_linears",
     "resolve_policy",
+    "set_cpu_packing",
+    "unpack_linear_weights",
     "__version__",
 ]

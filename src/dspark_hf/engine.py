@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_packing import cpu_packing_enabled, packed_linears
 from .engine_batch import (
     LAYOUTS,
     KVStore,
@@ -198,6 +199,8 @@ class DSparkEngine:
             `dspark_hf.engine_batch` and `docs/engine.md` for which is faster where).
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
+        cpu_packing (`bool`, *optional*): run the target's and draft's CPU linears on packed weights (see
+            `dspark_hf.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
     """
 
     def __init__(
@@ -210,6 +213,7 @@ class DSparkEngine:
         max_tokens: int | None = None,
         layout: str = "auto",
         sps=None,
+        cpu_packing: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -226,6 +230,7 @@ class DSparkEngine:
         self.draft = draft if self.speculate else None
         self.gamma = draft.config.block_size if self.speculate else 0
         self.policy, self.schedule_context = None, ScheduleContext()
+        self.cpu_packing = cpu_packing_enabled() if cpu_packing is None else cpu_packing
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
@@ -236,7 +241,8 @@ class DSparkEngine:
                 if sps is None:
                     from .sps import get_sps_profile
 
-                    sps = get_sps_profile(target)
+                    with packed_linears(target, enabled=self.cpu_packing):  # measured as it will run
+                        sps = get_sps_profile(target)
                 self.schedule_context.sps = sps.sps
             self.temperatures = torch.tensor(draft.config.calibration_temperatures, dtype=torch.float32)
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
@@ -294,10 +300,11 @@ class DSparkEngine:
         self._failed = []
         admitted = self._admit()
         decoding = [r for r in self._active if r not in admitted]
-        if decoding:
-            self._decode_round(decoding, events)
-        if admitted:
-            self._prefill(admitted, events)
+        with packed_linears(self.target, self.draft, enabled=self.cpu_packing):
+            if decoding:
+                self._decode_round(decoding, events)
+            if admitted:
+                self._prefill(admitted, events)
         m = self.metrics
         m.busy_seconds += time.perf_counter() - start
         kv_bytes = sum(r.kv.nbytes + (r.dkv.nbytes if r.dkv is not None else 0) for r in self._active)

@@ -33,6 +33,7 @@ from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .compat import check_target_compatibility
+from .cpu_packing import packed_linears
 from .modeling import DSparkCache, DSparkDraftModel
 from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
@@ -376,7 +377,10 @@ def install_generate_hook() -> None:
         # unknown keyword, so it is handed to the candidate generator through the draft.
         draft._call_policy = kwargs.pop("dspark_policy", None)
         try:
-            return original_generate(self, *args, **kwargs)
+            # On a CPU, the target's and the draft's linears run on packed weights for this call, so that
+            # verifying k tokens costs about what one token does (see dspark_hf.cpu_packing).
+            with packed_linears(self, draft):
+                return original_generate(self, *args, **kwargs)
         finally:
             draft._call_policy = None
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_packing import is_packed
+
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -147,6 +149,7 @@ def profile_sps(
         "dtype": str(target.dtype),
         "context_length": context_length,
         "threads": torch.get_num_threads(),
+        "packed_linears": any(is_packed(m) for m in target.modules()),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return SPSProfile(seconds, meta)
@@ -159,7 +162,9 @@ def _cache_path(target, context_length: int) -> Path:
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
-    fname = f"{name}-{device}-{dtype}-t{threads}-ctx{context_bucket(context_length)}.json"
+    # packed CPU linears (dspark_hf.cpu_packing) change the cost curve's shape: a separate profile
+    packed = "-packed" if any(is_packed(m) for m in target.modules()) else ""
+    fname = f"{name}-{device}-{dtype}-t{threads}{packed}-ctx{context_bucket(context_length)}.json"
     return cache_dir() / "sps" / fname
 
 

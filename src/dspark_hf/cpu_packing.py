@@ -1,0 +1,167 @@
+"""Packed linear weights for CPU verification: a 2–16-token forward at the cost of a 1-token one.
+
+On a CPU, `torch.nn.functional.linear` multiplies a handful of rows (`M` = 2…16, the tokens of one
+verification) through a general matrix product that re-reads and re-packs the weight on every call; for
+SmolLM2-135M on 2 threads a 2-token forward costs 1.6x a 1-token forward, which alone puts the break-even τ
+of speculative decoding near 1.6. oneDNN can pack each weight once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, the kernel behind `torch.compile`'s CPU weight freezing) and
+then multiply any small `M` at about the cost of `M = 1` (`torch.ops.mkldnn._linear_pointwise`).
+
+[`packed_linears`] does that for the duration of a `with` block: every eligible `nn.Linear` of a model runs
+on a packed copy of its weight, computed once and kept on the module (it is recomputed when the weight
+changes). The function computed is the same `x @ W.T + b`; only the summation order inside the kernel
+differs, which is the same kind of difference as between a 1-token and a k-token forward of the stock
+kernel. Speculative `generate()` with a DSpark draft and [`DSparkEngine`] use it for the target and the
+draft when it is enabled (the default on CPU, see [`set_cpu_packing`]); plain `generate()` is untouched,
+and [`pack_linear_weights`] gives plain decoding the same kernels, so benchmarks can report both baselines.
+
+Cost: one extra copy of every packed weight in memory (for SmolLM2-135M, 0.5 GB), built in ~0.3 s on the
+first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+#: The row count the packed layout is tuned for; oneDNN's packed kernel stays near its 1-row cost up to
+#: about 16 rows with this hint on an AVX-512 CPU (measured in `benchmarks/bench_cpu_packing.py`).
+PACK_BATCH_HINT = 8
+
+#: Above this many rows (a prefill, a large batch) the stock kernel is used: packing targets the few-row
+#: products of decoding and verification, and the stock GEMM is at least as fast for large `M`.
+PACKED_MAX_ROWS = 64
+
+_ENABLED: bool | None = None  # None: decided by the environment variable / support
+
+
+def set_cpu_packing(enabled: bool | None) -> None:
+    """Turn packed CPU verification on (`True`), off (`False`), or back to the default (`None`).
+
+    The default is on when the CPU backend supports it, unless the environment variable
+    `DSPARK_CPU_PACKING=0` is set.
+    """
+    global _ENABLED
+    _ENABLED = enabled
+
+
+def cpu_packing_enabled() -> bool:
+    """Whether speculative decoding packs CPU linear weights (see [`set_cpu_packing`])."""
+    if _ENABLED is not None:
+        return _ENABLED and packing_available()
+    if os.environ.get("DSPARK_CPU_PACKING", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return packing_available()
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear kernels."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _eligible(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is nn.Linear  # subclasses (quantised, LoRA-wrapped …) keep their own forward
+        and "forward" not in module.__dict__  # already hooked (accelerate offload, another packing)
+        and isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.layout == torch.strided
+    )
+
+
+def _packed_weight(module: nn.Linear) -> torch.Tensor:
+    """The packed copy of `module.weight`, rebuilt when the weight was replaced or modified in place."""
+    weight = module.weight
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+    cached = module.__dict__.get("_dspark_packed")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        cached = (key, packed)
+        module.__dict__["_dspark_packed"] = cached
+    return cached[1]
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # Training, autocast, other dtypes or devices: the stock kernel (the packed one has no backward).
+    if (
+        x.dtype != self.weight.dtype
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        or x.dim() < 2
+        or x.numel() > PACKED_MAX_ROWS * x.shape[-1]
+    ):
+        return nn.Linear.forward(self, x)
+    bias = self.bias.detach() if self.bias is not None else None
+    return _packed_matmul(x.contiguous(), _packed_weight(self), bias)
+
+
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module) -> list[nn.Linear]:
+    """Make every eligible `nn.Linear` of `model` (CPU, fp32/bf16, not already hooked) use packed weights.
+
+    Stays in effect until [`unpack_linear_weights`]. Returns the modules it changed. Does nothing (returns
+    `[]`) when [`packing_available`] is false.
+    """
+    return _pack(model) if packing_available() else []
+
+
+def _pack(model: nn.Module) -> list[nn.Linear]:
+    changed = []
+    for module in model.modules():
+        if _eligible(module):
+            _packed_weight(module)
+            module.forward = types.MethodType(_packed_forward, module)
+            changed.append(module)
+    return changed
+
+
+def unpack_linear_weights(model: nn.Module | list[nn.Module]) -> None:
+    """Undo [`pack_linear_weights`] on `model` (or on the list of modules it returned) and free the copies."""
+    modules = model if isinstance(model, list) else list(model.modules())
+    for module in modules:
+        if is_packed(module):
+            del module.forward
+        module.__dict__.pop("_dspark_packed", None)
+
+
+@contextlib.contextmanager
+def packed_linears(*models: nn.Module | None, enabled: bool | None = None) -> Iterator[list[nn.Linear]]:
+    """Run the eligible linears of `models` on packed weights inside the block, then restore them.
+
+    The packed copies stay cached on the modules, so the next block starts at once; call
+    [`unpack_linear_weights`] to free them. `enabled=None` follows [`cpu_packing_enabled`]. Modules that are
+    already packed (by [`pack_linear_weights`] or an enclosing block) are left as they are.
+    """
+    if enabled is None:
+        enabled = cpu_packing_enabled()
+    changed: list[nn.Linear] = []
+    try:
+        if enabled and packing_available():
+            for model in models:
+                if model is not None:
+                    changed += _pack(model)
+        yield changed
+    finally:
+        for module in changed:
+            if is_packed(module):
+                del module.forward
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether `module` currently runs on a packed weight."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _packed_forward
