@@ -36,6 +36,7 @@ import torch
 
 import dspark_hf
 from dspark_hf import DSparkEngine, SamplingParams
+from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.engine_batch import KVStore, ragged_target_forward
 from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
@@ -74,7 +75,13 @@ def make_policy(mode: str, profile):
 def run_load(target, draft, tok, prompts, mode, profile, args) -> dict:
     """One batch of `len(prompts)` concurrent requests through a fresh engine; returns its measurements."""
     engine = DSparkEngine(
-        target, draft, tok, policy=make_policy(mode, profile), max_batch_size=len(prompts), layout=args.layout
+        target,
+        draft,
+        tok,
+        policy=make_policy(mode, profile),
+        max_batch_size=len(prompts),
+        layout=args.layout,
+        cpu_packing=args.cpu_packing,
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
@@ -183,15 +190,24 @@ def main() -> None:
     parser.add_argument("--layout-bench", action="store_true", help="also time padded vs packed forwards")
     parser.add_argument("--layout-contexts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cpu-packing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="packed CPU linears in every mode, `none` included (default: dspark_hf's default, on for a CPU)",
+    )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
+    if args.cpu_packing is None:
+        args.cpu_packing = cpu_packing_enabled()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     target, tok = load_default_target()
     draft, _ = load_draft(target, args.draft)
-    profile = get_sps_profile(target)
+    with packed_linears(target, enabled=args.cpu_packing):  # the cost curve the engine's forwards will have
+        profile = get_sps_profile(target)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     report = {
         "command": "python " + " ".join(sys.argv),
@@ -203,6 +219,7 @@ def main() -> None:
         "draft": args.draft or "fresh (untrained)",
         "block_size": draft.config.block_size,
         "layout": args.layout,
+        "cpu_packing": args.cpu_packing,
         "max_new_tokens": args.max_new_tokens,
         "sps_seconds": profile.seconds,
         "modes": args.modes,

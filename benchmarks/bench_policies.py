@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
+from dspark_hf.cpu_packing import packed_linears
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
@@ -51,7 +52,8 @@ def main() -> None:
     target, tok = load_default_target()
     draft, _ = load_draft(target, args.draft)
     gamma = draft.config.block_size
-    profile = get_sps_profile(target)
+    with packed_linears(target):  # the cost curve generate()'s verification forwards will have
+        profile = get_sps_profile(target)
     inputs = [chat_inputs(tok, p)["input_ids"] for p in PROMPTS]
     policies: dict[str, object] = {f"fixed:{n}": f"fixed:{n}" for n in range(1, gamma + 1)}
     policies.update({f"threshold:{t}": f"threshold:{t}" for t in args.thresholds})

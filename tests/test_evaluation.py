@@ -21,6 +21,7 @@ from dspark_hf.eval_metrics import (
 )
 from dspark_hf.evaluation import (
     PLAIN,
+    PLAIN_PACKED,
     PROMPT_LOOKUP,
     EvalReport,
     acceptance_curves,
@@ -175,7 +176,14 @@ def report(tiny):
         "humaneval": [PromptItem("humaneval", "HumanEval/0", "write has_close_elements", {"task": task})],
     }
     return evaluate_drafts(
-        target, tok, {"dspark": draft, "dflash": fresh}, prompts=prompts, max_new_tokens=12, repeats=2, progress=False
+        target,
+        tok,
+        {"dspark": draft, "dflash": fresh},
+        prompts=prompts,
+        max_new_tokens=12,
+        repeats=2,
+        progress=False,
+        packed_baseline=True,
     )
 
 
@@ -183,11 +191,14 @@ def test_evaluate_drafts_measures_every_method(report):
     summary = report.summary()
     assert set(summary) == {"gsm8k", "humaneval"}
     assert set(summary["gsm8k"]) == {"0", "1"}
-    assert set(summary["gsm8k"]["0"]) == {PLAIN, "dspark", "dflash", PROMPT_LOOKUP}
-    assert set(summary["gsm8k"]["1"]) == {PLAIN, "dspark", "dflash"}  # prompt lookup only at temperature 0
+    assert set(summary["gsm8k"]["0"]) == {PLAIN, PLAIN_PACKED, "dspark", "dflash", PROMPT_LOOKUP}
+    assert set(summary["gsm8k"]["1"]) == {PLAIN, PLAIN_PACKED, "dspark", "dflash"}  # prompt lookup only at T=0
     cell = summary["humaneval"]["1"]["dspark"]
     assert cell["rounds"] > 0 and cell["tau"] >= 1.0 and len(cell["conditional_acceptance"]) == 4
     assert cell["speedup"] > 0 and summary["humaneval"]["1"][PLAIN]["speedup"] == pytest.approx(1.0)
+    packed = summary["humaneval"]["1"][PLAIN_PACKED]
+    assert packed["speedup_vs_packed"] == pytest.approx(1.0)
+    assert cell["speedup_vs_packed"] == pytest.approx(cell["tokens_per_s"] / packed["tokens_per_s"])
     assert all(len(r.seconds) == 2 for r in report.runs)
     macro = report.macro()
     assert macro["1"]["dspark"]["tau"] == pytest.approx((summary["gsm8k"]["1"]["dspark"]["tau"] + cell["tau"]) / 2)
@@ -198,6 +209,7 @@ def test_quality_parity(report):
     assert {m: v["exact_match"] for m, v in identity["gsm8k"].items()} == {
         "dspark": 1.0,
         "dflash": 1.0,
+        PLAIN_PACKED: 1.0,
         PROMPT_LOOKUP: 1.0,
     }
     tasks = report.quality["task_accuracy"]
@@ -225,6 +237,7 @@ def test_report_files(report, tmp_path):
     assert data["methods"]["dspark"]["block_size"] == 4
     md = (tmp_path / "results.md").read_text()
     assert "**macro average**" in md and "Greedy identity" in md and "McNemar" in md
+    assert "plain (packed) tok/s" in md
     assert EvalReport.from_json(data).to_markdown() == md  # a saved report re-renders identically
 
 

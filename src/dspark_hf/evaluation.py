@@ -27,6 +27,9 @@ from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
 
 PLAIN = "plain"
 PROMPT_LOOKUP = "prompt_lookup"
+#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.cpu_packing`): the same
+#: kernels speculative decoding uses, so `speedup_vs_packed` isolates what speculation itself adds.
+PLAIN_PACKED = "plain_packed"
 #: Sets with a task metric: GSM8K answer accuracy and HumanEval pass@1.
 TASK_METRICS = {"gsm8k": ("gsm8k_accuracy", "accuracy"), "humaneval": ("humaneval_pass_at_1", "pass@1")}
 
@@ -190,8 +193,11 @@ class EvalReport:
                         rounds = [x for r in runs for x in r.rounds]
                         cell[method].update(acceptance_curves(rounds, info["block_size"]))
                 plain = cell.get(PLAIN, {}).get("tokens_per_s", float("nan"))
+                packed = cell.get(PLAIN_PACKED, {}).get("tokens_per_s")
                 for metrics in cell.values():
                     metrics["speedup"] = metrics["tokens_per_s"] / plain if plain else float("nan")
+                    if packed is not None:
+                        metrics["speedup_vs_packed"] = metrics["tokens_per_s"] / packed if packed else float("nan")
                 out.setdefault(set_name, {})[temp] = cell
         return out
 
@@ -204,7 +210,8 @@ class EvalReport:
                 cells = [summary[s][temp][method] for s in self.sets if method in summary[s].get(temp, {})]
                 if not cells:
                     continue
-                agg = {key: _nanmean(c[key] for c in cells) for key in ("tokens_per_s", "speedup")}
+                keys = ("tokens_per_s", "speedup") + (("speedup_vs_packed",) if PLAIN_PACKED in self.methods else ())
+                agg = {key: _nanmean(c[key] for c in cells) for key in keys}
                 if self.methods[method]["kind"] == "draft":
                     for key in ("tau", "mean_verified", "verify_rate", "mean_accepted"):
                         agg[key] = _nanmean(c[key] for c in cells)
@@ -262,7 +269,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _label(method: str) -> str:
-    return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup"}.get(method, method)
+    return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)"}.get(method, method)
 
 
 def _markdown(report: EvalReport) -> str:
@@ -302,6 +309,24 @@ def _markdown(report: EvalReport) -> str:
             + [_fmt(macro[temp].get(m, {}).get("speedup"), ".2f") + "×" for m in others]
         )
         out.append(_table(["set", "plain tok/s", *(_label(m) for m in others)], rows))
+        if PLAIN_PACKED in others:
+            rest = [m for m in others if m != PLAIN_PACKED]
+            out += [
+                "",
+                "Speedup over plain `generate()` with packed linears (the CPU kernels speculative decoding uses, "
+                "so this is what speculation itself adds):",
+                "",
+            ]
+            rows = [
+                [s, _fmt(summary[s][temp][PLAIN_PACKED]["tokens_per_s"], ".1f")]
+                + [_fmt(summary[s][temp].get(m, {}).get("speedup_vs_packed"), ".2f") + "×" for m in rest]
+                for s in report.sets
+            ]
+            rows.append(
+                ["**macro average**", _fmt(macro[temp][PLAIN_PACKED]["tokens_per_s"], ".1f")]
+                + [_fmt(macro[temp].get(m, {}).get("speedup_vs_packed"), ".2f") + "×" for m in rest]
+            )
+            out.append(_table(["set", "plain (packed) tok/s", *(_label(m) for m in rest)], rows))
         gamma = max(report.methods[d]["block_size"] for d in drafts)
         for key, title in (
             ("conditional_acceptance", "Conditional acceptance P(k accepted | 1..k−1 accepted), macro average"),
@@ -519,6 +544,7 @@ def evaluate_drafts(
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
+    packed_baseline: bool | None = None,
     task_metrics: bool = True,
     prompts: Mapping[str, Sequence[PromptItem]] | None = None,
     progress: bool = True,
@@ -544,6 +570,9 @@ def evaluate_drafts(
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
+        packed_baseline (`bool`, *optional*): also time plain `generate()` with the target's linears packed
+            (`"plain_packed"`, see `dspark_hf.cpu_packing`). Defaults to whether speculative decoding packs
+            them here (on a CPU with packing enabled).
         task_metrics (`bool`, *optional*, defaults to `True`): score GSM8K / HumanEval replies.
         prompts (`Mapping[str, Sequence[PromptItem]]`, *optional*): use these prompts instead of loading `sets`.
         progress (`bool`, *optional*, defaults to `True`): tqdm progress bars.
@@ -554,13 +583,14 @@ def evaluate_drafts(
     import torch
     from tqdm.auto import tqdm
 
+    from .cpu_packing import cpu_packing_enabled, packed_linears
     from .default_model import chat_inputs
 
-    reserved = {PLAIN, PROMPT_LOOKUP} & set(drafts)
+    reserved = {PLAIN, PROMPT_LOOKUP, PLAIN_PACKED} & set(drafts)
     if not drafts or reserved:
         raise ValueError(
-            f"Got drafts named {sorted(drafts)}; pass at least one draft, and none named {PLAIN!r} or "
-            f"{PROMPT_LOOKUP!r} (those names are the baselines)."
+            f"Got drafts named {sorted(drafts)}; pass at least one draft, and none named {PLAIN!r}, "
+            f"{PLAIN_PACKED!r} or {PROMPT_LOOKUP!r} (those names are the baselines)."
         )
     if repeats < 1 or max_new_tokens < 1 or any(t < 0 for t in temperatures):
         raise ValueError(
@@ -569,6 +599,10 @@ def evaluate_drafts(
         )
     items = dict(prompts) if prompts is not None else {s: load_prompt_set(s, limit) for s in sets}
     methods = {PLAIN: {"kind": "plain"}}
+    if packed_baseline is None:
+        packed_baseline = cpu_packing_enabled() and target.device.type == "cpu"
+    if packed_baseline:
+        methods[PLAIN_PACKED] = {"kind": "plain_packed"}
     for name, draft in drafts.items():
         methods[name] = {
             "kind": "draft",
@@ -585,7 +619,7 @@ def evaluate_drafts(
             kwargs.update(assistant_model=drafts[method], dspark_policy=policy)
         torch.manual_seed(run_seed)
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), packed_linears(target, enabled=method == PLAIN_PACKED):
             out = target.generate(**inputs, **kwargs)
         seconds = time.perf_counter() - start
         rounds = rounds_of(drafts[method].last_generation_stats) if method in drafts else []

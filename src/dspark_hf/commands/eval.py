@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument(
+        "--packed-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time plain generate() on packed CPU linears, the kernels speculation uses "
+        "(default: when speculation packs them, i.e. on a CPU)",
+    )
+    parser.add_argument(
         "--task-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -101,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         prompt_lookup=args.prompt_lookup,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        packed_baseline=args.packed_baseline,
         task_metrics=args.task_metrics,
         progress=not args.no_progress,
     )
