@@ -99,11 +99,13 @@ def test_disabled_packs_nothing():
         assert changed == [] and not is_packed(layer)
 
 
-def test_environment_variable_disables(monkeypatch):
-    monkeypatch.setenv("DSPARK_CPU_PACKING", "0")
+def test_off_by_default_and_environment_variable_enables(monkeypatch):
+    monkeypatch.delenv("DSPARK_CPU_PACKING", raising=False)
     assert not cpu_packing_enabled()
     monkeypatch.setenv("DSPARK_CPU_PACKING", "1")
     assert cpu_packing_enabled()
+    monkeypatch.setenv("DSPARK_CPU_PACKING", "0")
+    assert not cpu_packing_enabled()
 
 
 def test_pack_and_unpack_persist_until_undone():
@@ -131,6 +133,7 @@ def _packed_calls(model):
 def test_speculative_generate_packs_and_is_exact_in_fp32():
     """fp32 target (packing applies): greedy speculative output equals plain greedy output on 12 prompts, the
     verification forwards ran packed, plain generate() did not, and nothing stays packed afterwards."""
+    set_cpu_packing(True)
     target = make_target("llama", vocab_size=96, markov=True, dtype=torch.float32)
     draft = make_aligned_draft(target, "markov").float()
     gen = torch.Generator().manual_seed(7)
@@ -156,6 +159,7 @@ def test_speculative_generate_packs_and_is_exact_in_fp32():
 
 
 def test_engine_packs_in_its_steps():
+    set_cpu_packing(True)
     target = make_target("llama", vocab_size=96, markov=True, dtype=torch.float32)
     draft = make_aligned_draft(target, "markov").float()
     counts, handles = _packed_calls(target)

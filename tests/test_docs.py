@@ -23,3 +23,17 @@ def test_docs_build_strict(tmp_path):
     if result.returncode != 0:
         print(result.stderr)
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr}"
+
+
+def test_no_unfilled_placeholders():
+    """A line that is only an ALL_CAPS token (e.g. `POLICY_SECTION`) is a placeholder left in a page."""
+    import re
+
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    found = [
+        f"{page.relative_to(REPO_ROOT)}:{i}: {line}"
+        for page in pages
+        for i, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if re.fullmatch(r"[A-Z][A-Z0-9_]{5,}", line.strip())
+    ]
+    assert not found, "placeholders left in the docs:\n" + "\n".join(found)
