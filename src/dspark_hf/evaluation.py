@@ -272,6 +272,16 @@ def _label(method: str) -> str:
     return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)"}.get(method, method)
 
 
+def _speed_table(sets, summary: dict, macro: dict, temp: str, base: str, key: str, methods: list[str]) -> str:
+    """Per set and macro: the `base` method's tokens/s, then each method's `key` speedup over it."""
+    cells = [(s, summary[s][temp]) for s in sets] + [("**macro average**", macro)]
+    rows = [
+        [name, _fmt(cell[base]["tokens_per_s"], ".1f")] + [_fmt(cell.get(m, {}).get(key), ".2f") + "×" for m in methods]
+        for name, cell in cells
+    ]
+    return _table(["set", f"{_label(base)} tok/s", *(_label(m) for m in methods)], rows)
+
+
 def _markdown(report: EvalReport) -> str:
     summary, macro = report.summary(), report.macro()
     c = report.config
@@ -299,16 +309,7 @@ def _markdown(report: EvalReport) -> str:
         rows.append(["**macro average**"] + [_fmt(macro[temp].get(d, {}).get("tau")) for d in drafts])
         out.append(_table(["set", *drafts], rows))
         out += ["", "### Speed (tokens/s) and speedup over plain generate()", ""]
-        rows = [
-            [s, _fmt(summary[s][temp][PLAIN]["tokens_per_s"], ".1f")]
-            + [_fmt(summary[s][temp].get(m, {}).get("speedup"), ".2f") + "×" for m in others]
-            for s in report.sets
-        ]
-        rows.append(
-            ["**macro average**", _fmt(macro[temp][PLAIN]["tokens_per_s"], ".1f")]
-            + [_fmt(macro[temp].get(m, {}).get("speedup"), ".2f") + "×" for m in others]
-        )
-        out.append(_table(["set", "plain tok/s", *(_label(m) for m in others)], rows))
+        out.append(_speed_table(report.sets, summary, macro[temp], temp, PLAIN, "speedup", others))
         if PLAIN_PACKED in others:
             rest = [m for m in others if m != PLAIN_PACKED]
             out += [
@@ -317,16 +318,7 @@ def _markdown(report: EvalReport) -> str:
                 "so this is what speculation itself adds):",
                 "",
             ]
-            rows = [
-                [s, _fmt(summary[s][temp][PLAIN_PACKED]["tokens_per_s"], ".1f")]
-                + [_fmt(summary[s][temp].get(m, {}).get("speedup_vs_packed"), ".2f") + "×" for m in rest]
-                for s in report.sets
-            ]
-            rows.append(
-                ["**macro average**", _fmt(macro[temp][PLAIN_PACKED]["tokens_per_s"], ".1f")]
-                + [_fmt(macro[temp].get(m, {}).get("speedup_vs_packed"), ".2f") + "×" for m in rest]
-            )
-            out.append(_table(["set", "plain (packed) tok/s", *(_label(m) for m in rest)], rows))
+            out.append(_speed_table(report.sets, summary, macro[temp], temp, PLAIN_PACKED, "speedup_vs_packed", rest))
         gamma = max(report.methods[d]["block_size"] for d in drafts)
         for key, title in (
             ("conditional_acceptance", "Conditional acceptance P(k accepted | 1..k−1 accepted), macro average"),
