@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--packed-baseline",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="also time plain generate() on packed CPU linears, the kernels speculation uses "
-        "(default: when speculation packs them, i.e. on a CPU)",
+        help="also time plain generate() on packed CPU linears, the kernels speculation then uses "
+        "(default: when packing is enabled, DSPARK_CPU_PACKING=1)",
     )
     parser.add_argument(
         "--task-metrics",
