@@ -19,7 +19,8 @@ nearly every drafted token is rejected and the modes show their overhead against
 
 Usage:
     python benchmarks/bench_engine_load.py [--draft PATH] [--concurrency 1 2 4 8 16 32] [--repeats 3]
-        [--max-new-tokens 64] [--layout padded] [--layout-bench] [--threads 2] [--out-dir benchmarks/results]
+        [--max-new-tokens 64] [--layout padded] [--layout-bench] [--threads 2] [--device cuda --dtype bfloat16]
+        [--out-dir benchmarks/results]
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def layout_bench(target, concurrency, contexts, gamma, repeats) -> list[dict]:
                     for layout in times:  # interleaved, so both layouts see the same machine load
                         t0 = time.perf_counter()
                         ragged_target_forward(target, stores, rows, keep, layout=layout)
+                        if target.device.type == "cuda":  # count the GPU's work, not just its launch
+                            torch.cuda.synchronize(target.device)
                         if i:  # the first round is warm-up
                             times[layout].append(time.perf_counter() - t0)
                 for layout, ts in times.items():
@@ -171,7 +174,8 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"DSparkEngine on {report['target']} ({report['threads']} threads, draft: {report['draft']})")
+    where = f"{report['threads']} threads" if report.get("device", "cpu") == "cpu" else report["device"]
+    fig.suptitle(f"DSparkEngine on {report['target']} ({where}, draft: {report['draft']})")
     fig.tight_layout()
     path = out_dir / "engine_load.png"
     fig.savefig(path, dpi=120)
@@ -190,6 +194,8 @@ def main() -> None:
     parser.add_argument("--layout-bench", action="store_true", help="also time padded vs packed forwards")
     parser.add_argument("--layout-contexts", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    parser.add_argument("--dtype", default=None, help="target and draft dtype: float32 (default), bfloat16, float16")
     parser.add_argument(
         "--cpu-packing",
         action=argparse.BooleanOptionalAction,
@@ -204,7 +210,7 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    target, tok = load_default_target()
+    target, tok = load_default_target(dtype=args.dtype, device=args.device)
     draft, _ = load_draft(target, args.draft)
     with packed_linears(target, enabled=args.cpu_packing):  # the cost curve the engine's forwards will have
         profile = get_sps_profile(target)
@@ -214,6 +220,8 @@ def main() -> None:
         "torch": torch.__version__,
         "dspark_hf": dspark_hf.__version__,
         "machine": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
+        "dtype": str(target.dtype).replace("torch.", ""),
         "threads": args.threads,
         "target": "SmolLM2-135M-Instruct",
         "draft": args.draft or "fresh (untrained)",

@@ -265,6 +265,44 @@ def test_cli_eval_end_to_end(tiny, tmp_path):
     assert (out / "speedup.png").exists()
 
 
+def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
+    """`--prompts FILE` replaces the named sets; `--device` / `--dtype` put target and draft there together."""
+    pytest.importorskip("evaluate")
+    from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = save_prompt_file(
+        [PromptItem("mine", "p0", "count to three"), PromptItem("mine", "p1", "hi")], tmp_path / "p.jsonl"
+    )
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
+    argv += ["--prompts", str(prompts), "--device", "cpu", "--dtype", "float32", "--no-task-metrics"]
+    argv += ["--max-new-tokens", "6", "--temperatures", "0", "--output", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["sets"] == {"mine": 2} and data["config"]["target_dtype"] == "float32"  # saved as float64
+    assert data["config"]["device"] == "cpu"
+    assert data["quality"]["greedy_identity"]["mine"]["aligned"]["exact_match"] == 1.0
+
+
+def test_load_draft_follows_the_targets_dtype(tiny, tmp_path):
+    from dspark_hf.default_model import _torch_dtype, load_draft, load_target
+
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    bf16_target, _ = load_target(str(tmp_path / "target"), dtype="bf16", device="cpu")
+    loaded, fresh = load_draft(bf16_target, str(tmp_path / "draft"))
+    assert not fresh and bf16_target.dtype == loaded.dtype == torch.bfloat16
+    assert _torch_dtype(None) == torch.float32 and _torch_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="Unknown dtype 'int8'"):
+        _torch_dtype("int8")
+
+
 def test_cli_eval_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["eval", "--help"])

@@ -100,3 +100,41 @@ def test_calibration_prompts_are_neither_trained_on_nor_evaluated():
     assert len(calibration) == 64
     assert not set(calibration) & _eval_texts()
     assert not set(calibration) & {r["prompt"].strip() for r in training_prompts(**TRAINING)}
+
+
+# ---------------------------------------------------------------------- prompt files (dspark eval --prompts)
+def test_prompt_file_round_trips_and_limits(tmp_path):
+    from dspark_hf.prompt_sets import PromptItem, load_prompt_file, save_prompt_file
+
+    items = {
+        "gsm8k": [PromptItem("gsm8k", f"g{i}", f"what is {i} plus {i}?", {"answer": str(2 * i)}) for i in range(3)],
+        "mine": [PromptItem("mine", "m0", "héllo, wörld")],
+    }
+    path = save_prompt_file(items, tmp_path / "sub" / "prompts.jsonl")
+    assert load_prompt_file(path) == items
+    assert load_prompt_file(path, limit=2) == {"gsm8k": items["gsm8k"][:2], "mine": items["mine"]}
+    # the fields other than "prompt" have defaults; blank lines are skipped
+    (tmp_path / "bare.jsonl").write_text('{"prompt": "hi"}\n\n{"prompt": "yo", "set": "x"}\n')
+    assert load_prompt_file(tmp_path / "bare.jsonl") == {
+        "custom": [PromptItem("custom", "custom-1", "hi")],
+        "x": [PromptItem("x", "x-3", "yo")],
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"prompt": "ok"}\n{"prompt": \n', r"bad\.jsonl:2: not valid JSON"),
+        ('{"prompt": ""}\n', r"bad\.jsonl:1: .*non-empty \"prompt\""),
+        ('["a list"]\n', r"bad\.jsonl:1: .*object"),
+        ("\n\n", "holds no prompts"),
+    ],
+)
+def test_bad_prompt_files_are_refused_with_the_line(tmp_path, text, message):
+    from dspark_hf.prompt_sets import load_prompt_file
+
+    (tmp_path / "bad.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_prompt_file(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError):
+        load_prompt_file(tmp_path / "missing.jsonl")

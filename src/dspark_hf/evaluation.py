@@ -268,6 +268,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def _on_device(config: dict) -> str:
+    """`" on cuda:0"` for a run on a GPU; empty for the CPU (and for reports written before devices were recorded)."""
+    device = config.get("device", "cpu")
+    return "" if device == "cpu" else f" on {device}"
+
+
 def _label(method: str) -> str:
     return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)"}.get(method, method)
 
@@ -293,7 +299,8 @@ def _markdown(report: EvalReport) -> str:
     out = [
         "# dspark eval",
         "",
-        f"Target `{c.get('target')}` ({c.get('target_dtype')}), drafts: {gammas}; policy `{c.get('policy')}`, "
+        f"Target `{c.get('target')}` ({c.get('target_dtype')}{_on_device(c)}), drafts: {gammas}; "
+        f"policy `{c.get('policy')}`, "
         f"max {c.get('max_new_tokens')} new tokens, {c.get('repeats')} timed repeat(s), seed {c.get('seed')}, "
         f"{c.get('torch_threads')} torch threads. Prompts per set: "
         + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items())
@@ -500,6 +507,14 @@ def _task_reference(item: PromptItem) -> str:
 
 
 # ---------------------------------------------------------------------- running it
+def _synchronize(device) -> None:
+    """Wait for queued GPU work on `device` (a no-op on the CPU), so wall-clock timings include it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _generation_configs(target, tokenizer, temperature: float, max_new_tokens: int, lookup_tokens: int):
     from transformers import GenerationConfig
 
@@ -610,9 +625,11 @@ def evaluate_drafts(
         if method in drafts:
             kwargs.update(assistant_model=drafts[method], dspark_policy=policy)
         torch.manual_seed(run_seed)
+        _synchronize(target.device)
         start = time.perf_counter()
         with torch.no_grad(), packed_linears(target, enabled=method == PLAIN_PACKED):
             out = target.generate(**inputs, **kwargs)
+        _synchronize(target.device)  # a GPU runs asynchronously: count the work, not just its launch
         seconds = time.perf_counter() - start
         rounds = rounds_of(drafts[method].last_generation_stats) if method in drafts else []
         return out[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds
@@ -620,7 +637,7 @@ def evaluate_drafts(
     # warm-up (first-call allocations and lazy initialisation), not reported
     first = next((rows[0] for rows in items.values() if rows), None)
     if first is not None:
-        warm = chat_inputs(tokenizer, first.prompt)
+        warm = chat_inputs(tokenizer, first.prompt, target.device)
         for temp in temperatures:
             configs = _generation_configs(target, tokenizer, temp, min(8, max_new_tokens), prompt_lookup_num_tokens)
             for method in methods:
@@ -634,7 +651,7 @@ def evaluate_drafts(
             active = [m for m in methods if m != PROMPT_LOOKUP or temp == 0]
             bar = tqdm(rows, desc=f"{set_name} T={temp:g}", disable=not progress, leave=False)
             for index, item in enumerate(bar):
-                inputs = chat_inputs(tokenizer, item.prompt)
+                inputs = chat_inputs(tokenizer, item.prompt, target.device)
                 seconds = {m: [] for m in active}
                 outputs = {}
                 for _ in range(repeats):
@@ -652,6 +669,7 @@ def evaluate_drafts(
     config = {
         "target": getattr(target.config, "_name_or_path", ""),
         "target_dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+        "device": str(target.device),
         "sets": {s: len(rows) for s, rows in items.items()},
         "temperatures": [float(t) for t in temperatures],
         "sampling": "plain temperature sampling (top_k=0, top_p=1.0); greedy at temperature 0",

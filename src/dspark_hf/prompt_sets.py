@@ -139,6 +139,54 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[PromptItem]:
     return items[:limit] if limit is not None else items
 
 
+def save_prompt_file(items: dict[str, list[PromptItem]] | list[PromptItem], path) -> Path:
+    """Write prompts as JSONL (`set`, `id`, `prompt`, `reference` per line), readable by [`load_prompt_file`].
+
+    Use it to take the named sets to a machine without their PyPI packages (e.g. a GPU server).
+    """
+    rows = [item for group in items.values() for item in group] if isinstance(items, dict) else list(items)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for item in rows:
+            record = {"set": item.set_name, "id": item.id, "prompt": item.prompt, "reference": item.reference}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def load_prompt_file(path, limit: int | None = None) -> dict[str, list[PromptItem]]:
+    """Prompts from a JSONL file, grouped by set: one object per line with `prompt` (required), `set` (default
+    `"custom"`), `id` (default `"<set>-<line>"`) and `reference` (what a task metric needs, default `{}`).
+
+    `limit` keeps the first `limit` prompts of each set.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No prompt file at {path}.")
+    groups: dict[str, list[PromptItem]] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg}).") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise ValueError(f'{path}:{line_no}: each line must be an object with a non-empty "prompt" string.')
+            set_name = str(row.get("set", "custom"))
+            rows = groups.setdefault(set_name, [])
+            if limit is None or len(rows) < limit:
+                rows.append(
+                    PromptItem(
+                        set_name, str(row.get("id", f"{set_name}-{line_no}")), row["prompt"], row.get("reference") or {}
+                    )
+                )
+    if not groups:
+        raise ValueError(f"{path} holds no prompts.")
+    return groups
+
+
 # ---------------------------------------------------------------------- training prompts
 _STDLIB_MODULES = (
     "textwrap",

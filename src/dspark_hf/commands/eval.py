@@ -19,6 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "draft's name, a folder, a Hub id or 'fresh' (default: the shipped DSpark draft of the default target)",
     )
     parser.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=EVAL_SETS, help="prompt sets")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="evaluate the prompts of this JSONL file instead of --sets: one object per line with 'prompt', and "
+        "optionally 'set', 'id' and 'reference' (task metrics score sets named gsm8k / humaneval)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     parser.add_argument(
         "--temperatures", nargs="+", type=float, default=[0.0, 1.0], help="0 = greedy; >0 = plain sampling"
@@ -32,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default=None, help="where to run target and drafts, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--dtype", default=None, help="target (and draft) dtype: float32 (default), bfloat16 or float16"
+    )
     parser.add_argument(
         "--prompt-lookup",
         action=argparse.BooleanOptionalAction,
@@ -78,13 +89,14 @@ def main(args: argparse.Namespace) -> int:
 
     from ..default_model import load_draft, load_target
     from ..evaluation import evaluate_drafts
+    from ..prompt_sets import load_prompt_file
 
     if args.repeats < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         raise SystemExit("--repeats, --max-new-tokens and --limit must be >= 1")
     specs = parse_draft_specs(args.draft)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     drafts, fresh = {}, []
     for name, path in specs:
         drafts[name], is_fresh = load_draft(target, path, seed=args.seed)
@@ -95,11 +107,13 @@ def main(args: argparse.Namespace) -> int:
             f"note: {', '.join(fresh)} is a fresh, untrained draft (no trained draft for this target, or 'fresh' "
             "asked for): almost every drafted token is rejected, so τ stays near 1. Outputs are still exact."
         )
+    prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None
     report = evaluate_drafts(
         target,
         tokenizer,
         drafts,
         args.sets,
+        prompts=prompts,
         limit=args.limit,
         temperatures=args.temperatures,
         max_new_tokens=args.max_new_tokens,

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each method; medians reported")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default=None, help="where to run target and draft, e.g. cuda (default: cpu)")
+    parser.add_argument(
+        "--dtype", default=None, help="target (and draft) dtype: float32 (default), bfloat16 or float16"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -40,14 +44,14 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats and --max-new-tokens must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, fresh = load_draft(target, args.draft, seed=args.seed)
     if fresh:
         print(
             "note: no trained draft for this target (--draft), so this run uses a fresh, untrained draft: almost every drafted "
             "token is rejected, τ stays near 1 and there is no speedup. Output is still exactly the target's."
         )
-    inputs = chat_inputs(tokenizer, args.prompt)
+    inputs = chat_inputs(tokenizer, args.prompt, target.device)
     sample = args.temperature > 0
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -67,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         with torch.no_grad(), packed_linears(target, enabled=packed):
             out = target.generate(**inputs, generation_config=config, **extra)
+        if out.device.type == "cuda":  # a GPU runs asynchronously: count the work, not just its launch
+            torch.cuda.synchronize(out.device)
         return out, time.perf_counter() - start
 
     # On a CPU speculative decoding runs the linears on packed weights (dspark_hf.cpu_packing); plain decoding
