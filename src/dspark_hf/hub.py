@@ -196,7 +196,9 @@ def model_card(
         "",
         f"A DSpark speculative-decoding draft for `{target}`, made with [dspark-hf]({_DOCS_URL}). It makes the "
         "target generate with fewer forward passes and **exactly the same output**: greedy output is "
-        "token-identical to plain `generate()`, and sampling keeps the target's distribution. It is not a "
+        "token-identical to plain `generate()` in fp32, and sampling keeps the target's distribution. (In bf16 or "
+        "fp16, a forward over several tokens can round a near-tie differently from one-token decoding, for any "
+        "speculative method.) It is not a "
         "standalone language model; it reads the target's hidden states and uses the target's embedding and "
         "LM head, which are "
         + ("stored here as frozen copies (DeepSpec format)." if format == "deepspec" else "not stored here."),
