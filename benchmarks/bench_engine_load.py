@@ -40,6 +40,7 @@ from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.engine_batch import KVStore, ragged_target_forward
+from dspark_hf.evaluation import synchronize
 from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
 
@@ -134,8 +135,7 @@ def layout_bench(target, concurrency, contexts, gamma, repeats) -> list[dict]:
                     for layout in times:  # interleaved, so both layouts see the same machine load
                         t0 = time.perf_counter()
                         ragged_target_forward(target, stores, rows, keep, layout=layout)
-                        if target.device.type == "cuda":  # count the GPU's work, not just its launch
-                            torch.cuda.synchronize(target.device)
+                        synchronize(target.device)  # count the GPU's work, not just its launch
                         if i:  # the first round is warm-up
                             times[layout].append(time.perf_counter() - t0)
                 for layout, ts in times.items():

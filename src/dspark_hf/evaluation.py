@@ -507,7 +507,7 @@ def _task_reference(item: PromptItem) -> str:
 
 
 # ---------------------------------------------------------------------- running it
-def _synchronize(device) -> None:
+def synchronize(device) -> None:
     """Wait for queued GPU work on `device` (a no-op on the CPU), so wall-clock timings include it."""
     import torch
 
@@ -625,11 +625,11 @@ def evaluate_drafts(
         if method in drafts:
             kwargs.update(assistant_model=drafts[method], dspark_policy=policy)
         torch.manual_seed(run_seed)
-        _synchronize(target.device)
+        synchronize(target.device)
         start = time.perf_counter()
         with torch.no_grad(), packed_linears(target, enabled=method == PLAIN_PACKED):
             out = target.generate(**inputs, **kwargs)
-        _synchronize(target.device)  # a GPU runs asynchronously: count the work, not just its launch
+        synchronize(target.device)  # a GPU runs asynchronously: count the work, not just its launch
         seconds = time.perf_counter() - start
         rounds = rounds_of(drafts[method].last_generation_stats) if method in drafts else []
         return out[0, inputs["input_ids"].shape[1] :].tolist(), seconds, rounds

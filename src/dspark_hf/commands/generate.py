@@ -39,6 +39,7 @@ def main(args: argparse.Namespace) -> int:
 
     from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
     from dspark_hf.default_model import chat_inputs, load_draft, load_target
+    from dspark_hf.evaluation import synchronize
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("--repeats and --max-new-tokens must be >= 1")
@@ -71,8 +72,7 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         with torch.no_grad(), packed_linears(target, enabled=packed):
             out = target.generate(**inputs, generation_config=config, **extra)
-        if out.device.type == "cuda":  # a GPU runs asynchronously: count the work, not just its launch
-            torch.cuda.synchronize(out.device)
+        synchronize(out.device)  # a GPU runs asynchronously: count the work, not just its launch
         return out, time.perf_counter() - start
 
     # On a CPU speculative decoding runs the linears on packed weights (dspark_hf.cpu_packing); plain decoding

@@ -333,9 +333,8 @@ def load_target(name_or_path: str | None, dtype: str = "float32", device: str | 
     (default: CUDA when available)."""
     from ..default_model import load_target as _load
 
-    target, tokenizer = _load(name_or_path, dtype=getattr(torch, dtype))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return target.to(device), tokenizer
+    return _load(name_or_path, dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------------- the tokenized dataset
