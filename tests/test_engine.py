@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.engine_batch import choose_layout, context_limit
 from dspark_hf.metrics import EngineMetrics
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.sps import SPSProfile
 
 from helpers import make_aligned_draft, make_target
@@ -31,6 +31,7 @@ POLICIES = {
     "threshold": "threshold:0.3",
     "hardware_aware": HardwareAwarePolicy(sps=JAGGED),
     "hardware_aware_lagged": LaggedHardwareAwarePolicy(sps=JAGGED),
+    "hardware_aware_uniform": UniformHardwareAwarePolicy(sps=JAGGED),
     "none": "none",
 }
 
@@ -111,6 +112,44 @@ def test_greedy_identity_with_continuous_batching(setups, arch, policy, layout):
         assert m.tau == 1.0 and m.drafts_verified == 0
     if policy == "threshold":
         assert sum(c > 0 for c in m.length_counts) > 2, "the threshold policy should vary lengths"
+
+
+def test_uniform_policy_skips_drafting_under_load_and_stays_exact(setups, monkeypatch):
+    """Forwards up to 8 tokens are free, beyond that dear: 1-4 active requests draft, 5 or more skip drafting
+    (`plain_samples=0`: no measuring rounds, the batch size alone decides).
+
+    Requests join and finish, so the batch crosses that line both ways; outputs stay exactly greedy, the draft
+    runs only in rounds that verify, and its context stays in step through the rounds that skip it.
+    """
+    import dspark_hf.engine as engine_module
+
+    target, draft, work, refs = setups["qwen2"]
+    calls = []
+    real_draft_block = engine_module.draft_block
+    monkeypatch.setattr(
+        engine_module,
+        "draft_block",
+        lambda d, stores, anchors: calls.append(len(anchors)) or real_draft_block(d, stores, anchors),
+    )
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 1.0, 8: 1.0, 9: 50.0, 512: 60.0}), plain_samples=0)
+    engine = DSparkEngine(target, draft, policy=policy, max_batch_size=6)
+    real_step, in_step = engine.step, []
+
+    def step():  # after every round the draft's context covers exactly what the target has committed
+        events = real_step()
+        in_step.append([(len(r.dkv), len(r.kv)) for r in engine._active])
+        assert all(d == t for d, t in in_step[-1]), in_step[-1]
+        return events
+
+    engine.step = step
+    outputs, _, _ = _run_with_joins(engine, work, first=2)
+    assert [o.token_ids for o in outputs] == refs
+    assert calls and max(calls) <= 4, f"drafting ran for batches of {sorted(set(calls))} requests"
+    rounds = [r for o in outputs for r in o.stats.rounds]
+    skipped = [r for r in rounds if not r.drafted]
+    assert len(skipped) > 10 and len(rounds) - len(skipped) > 10, (len(skipped), len(rounds))
+    m = engine.metrics
+    assert m.drafts_accepted > 0 and sum(c > 0 for c in m.length_counts[1:]) >= 2, m.length_counts
 
 
 @pytest.mark.parametrize("head", ["gated", "rnn", "none"])

@@ -27,7 +27,8 @@ from scipy import stats
 
 import dspark_hf.engine_batch as engine_batch
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
+from dspark_hf.sps import SPSProfile
 from dspark_hf.verification import residual_distribution
 from test_sampling_exactness import (
     ACCEPTANCE_BIAS,
@@ -53,6 +54,8 @@ POLICIES = {
     "threshold": "threshold:0.5",
     "hardware_aware": HardwareAwarePolicy(sps=JAGGED),
     "hardware_aware_lagged": LaggedHardwareAwarePolicy(sps=JAGGED),
+    # forwards of up to 24 tokens cost the same: the batch-wide length grows as the batch shrinks
+    "hardware_aware_uniform": UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.01, 24: 0.01, 25: 0.05, 1024: 1.0})),
 }
 
 

@@ -26,6 +26,7 @@ from .scheduler import (
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
     ThresholdPolicy,
+    UniformHardwareAwarePolicy,
     VerificationPolicy,
     resolve_policy,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "RoundStats",
     "SamplingParams",
     "ThresholdPolicy",
+    "UniformHardwareAwarePolicy",
     "VerificationPolicy",
     "default_target_layer_ids",
     "export_deepspec",

@@ -442,15 +442,20 @@ class DSparkEngine:
         budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
         drafted = [[] for _ in reqs]
         lengths = [0] * len(reqs)
-        q_logits, conf_logits, survival = None, None, None
+        q_logits, conf_logits, survival, raw_survival = None, None, None, None
+        context = self.schedule_context
+        context.planned_length = None
         if self.speculate and max(budgets) > 0:
+            # a policy may fix the length before drafting; 0 means this round is a plain decoding step
+            context.planned_length = self.policy.plan_length(len(reqs), self.gamma, context)
+        if self.speculate and max(budgets) > 0 and context.planned_length != 0:
             hidden, base = draft_block(self.draft, [r.dkv for r in reqs], anchors)
             histories = [r.prompt + r.tokens for r in reqs] if any(r.sampler.processors for r in reqs) else None
             tokens, q_logits, conf_logits = sample_block(
                 self.draft, hidden, base, anchors, [r.sampler for r in reqs], histories or [[] for _ in reqs]
             )
             drafted = tokens.tolist()
-            lengths, survival = self._schedule(drafted, conf_logits, budgets, reqs)
+            lengths, survival, raw_survival = self._schedule(drafted, conf_logits, budgets, reqs)
         t1 = time.perf_counter()
         rows = [[a] + d[:n] for a, d, n in zip(anchors, drafted, lengths)]
         out = ragged_target_forward(
@@ -488,13 +493,32 @@ class DSparkEngine:
         m.queue_length_sum += len(self._queue)
         m.draft_seconds += t1 - t0
         m.verify_seconds += t2 - t1
+        computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
+        m.computed_tokens += computed
+        m.drafting_rounds += survival is not None
+        if self.speculate:
+            self.policy.observe_round(
+                context,
+                rows=len(reqs),
+                forward_tokens=computed,
+                rest_seconds=time.perf_counter() - t1,
+                draft_seconds=t1 - t0 if survival is not None else None,
+                survival=raw_survival,
+                verified=lengths,
+                accepted=outcomes,
+            )
 
-    def _schedule(self, drafted, conf_logits, budgets, reqs) -> tuple[list[int], torch.Tensor]:
-        """Lengths from the policy over the batch's survival matrix; positions past a request's budget get 0."""
+    def _schedule(self, drafted, conf_logits, budgets, reqs) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """Lengths from the policy over the batch's survival matrix; positions past a request's budget get 0.
+
+        Also returns the survival matrix (budget-clipped) and, with a confidence head, the unclipped one.
+        """
         rows = len(drafted)
+        raw = None
         if conf_logits is not None:
             temps = self.temperatures.to(conf_logits.device)
             survival = survival_probabilities(torch.sigmoid(conf_logits.float() / temps)).cpu()
+            raw = survival.clone()
         else:
             survival = torch.ones(rows, self.gamma)
         for i, b in enumerate(budgets):
@@ -507,7 +531,7 @@ class DSparkEngine:
                 lengths[i] = eos_at + 1
         if conf_logits is not None:
             self.schedule_context.previous_survival = survival
-        return lengths, survival
+        return lengths, survival, raw
 
     def _emit(self, req: _Request, tokens: list[int], events: list[StreamEvent]) -> None:
         new = []

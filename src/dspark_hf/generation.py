@@ -134,7 +134,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._ingest_context(input_ids, model_outputs)
             budget = self.max_length - input_ids.shape[1] - 1  # the round always adds one target token
             gamma = min(self.config.block_size, budget)
-            if gamma <= 0:  # room for the target's own token only: an ordinary target step
+            # a policy may fix the length before drafting; 0 makes this round an ordinary target step
+            planned = self.policy.plan_length(1, self.config.block_size, self.schedule_context) if gamma > 0 else 0
+            self.schedule_context.planned_length = planned
+            if gamma <= 0 or planned == 0:  # room for the target's own token only, or no draft pays off
                 self._pending = RoundStats(
                     drafted=[], confidence_logits=[], confidence=[], calibrated_confidence=[], survival=[], verified=0
                 )
@@ -157,10 +160,22 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """Record the round's outcome (transformers calls this after every verification)."""
         if self._pending is None:  # the prefill round
             return
-        self._pending.accepted = int(num_matches)
-        self._pending.verify_time = time.perf_counter() - self._verify_start
-        self.stats.rounds.append(self._pending)
+        pending = self._pending
+        pending.accepted = int(num_matches)
+        pending.verify_time = time.perf_counter() - self._verify_start
+        self.stats.rounds.append(pending)
         self._pending = None
+        drafted = bool(pending.drafted)
+        self.policy.observe_round(
+            self.schedule_context,
+            rows=1,
+            forward_tokens=1 + pending.verified,
+            rest_seconds=pending.verify_time,
+            draft_seconds=pending.draft_time + pending.sequential_time if drafted else None,
+            survival=torch.tensor([pending.survival]) if drafted and pending.survival else None,
+            verified=[pending.verified],
+            accepted=[pending.accepted],
+        )
 
     # ------------------------------------------------------------------ steps of a round
     def _ingest_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:

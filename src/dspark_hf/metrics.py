@@ -33,6 +33,8 @@ class EngineMetrics:
     drafts_verified: int = 0
     drafts_accepted: int = 0
     forward_tokens: int = 0  # Σ over rounds of B = Σ_r (1 + ℓ_r)
+    computed_tokens: int = 0  # Σ over rounds of the tokens the forward computed (padded: R · max_r (1 + ℓ_r))
+    drafting_rounds: int = 0  # rounds that ran the draft
     busy_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -108,6 +110,7 @@ class EngineMetrics:
             tau=self.tau,
             mean_verification_length=self.mean_verification_length,
             mean_forward_tokens=self.forward_tokens / self.rounds if self.rounds else 0.0,
+            mean_computed_tokens=self.computed_tokens / self.rounds if self.rounds else 0.0,
             mean_queue_length=self.queue_length_sum / self.rounds if self.rounds else 0.0,
             acceptance_by_position=self.acceptance_by_position,
             tokens_per_second=self.tokens_per_second,
@@ -128,6 +131,8 @@ class EngineMetrics:
             ("drafts_verified", "Drafted tokens sent to verification."),
             ("drafts_accepted", "Drafted tokens accepted by the target."),
             ("forward_tokens", "Tokens in verification forwards (B summed over rounds)."),
+            ("computed_tokens", "Tokens the verification forwards computed, padding included."),
+            ("drafting_rounds", "Rounds that ran the draft."),
         ]
         seconds = [
             ("busy_seconds", "Seconds spent in engine steps."),

@@ -15,8 +15,9 @@ Policies are small objects around pure tensor functions, so they can be table-te
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,6 +115,70 @@ def top_k_lengths(survival: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.tensor(lengths, dtype=torch.long, device=survival.device)
 
 
+def uniform_length(
+    survival: torch.Tensor,
+    rows: int,
+    sps: Callable[[int], float],
+    draft_seconds: float = 0.0,
+    background_tokens: int = 0,
+    measured: dict[int, float] | None = None,
+) -> int:
+    """The one verification length `L` for all `rows` requests that maximises expected tokens per second.
+
+    A padded verification forward computes `B = rows · (1 + max ℓ)` tokens whatever each row's own length,
+    so once one row verifies `L` drafts the others verify up to `L` for free; the choice is a single
+    `L ∈ {0..γ}`. Drafting itself is charged only when `L > 0` (with `L = 0` the round is a plain decoding
+    step and the draft does not run):
+
+        Θ(L) = (rows·(1 + Σ_{j≤L} s_j) + BG) / (t(B_L) + draft·[L > 0]),   B_L = rows·(1 + L) + BG
+
+    `t(B)` is the round time measured at `B` tokens where there is one (`measured`); otherwise the measured
+    plain round `t(B_0)` scaled by the profile's cost ratio `SPS(B_0) / SPS(B)`, or, with no measurement
+    at all, the profile's `1 / SPS(B)`. The profile thus gives the shape of the cost curve and the
+    measurements its level (a round also builds the batch, accepts and emits).
+
+    The search is global over `L`, which is lossless only because `survival` comes from *earlier* rounds:
+    nothing in it depends on the tokens that will be drafted for the length chosen.
+
+    Args:
+        survival (`torch.Tensor` of shape `(γ,)`): expected prefix survival per block position.
+        rows (`int`): requests in the round.
+        sps (`Callable[[int], float]`): verification steps per second at `B` tokens in the forward.
+        draft_seconds (`float`, *optional*): seconds of one drafting step for `rows` requests.
+        background_tokens (`int`, *optional*): other requests' tokens sharing the forward, one each.
+        measured (`dict[int, float]`, *optional*): seconds of a round besides drafting, measured at `B` tokens.
+
+    Returns:
+        `int`: the length `L`.
+    """
+    if rows <= 0:
+        return 0
+    measured = measured or {}
+
+    def rate(tokens: int) -> float:
+        value = float(sps(tokens))
+        if not value > 0:
+            raise ValueError(f"The SPS profile gave {value} steps/s at {tokens} tokens; it must be positive.")
+        return value
+
+    plain_tokens = rows + background_tokens
+    expected = torch.cat([torch.zeros(1, dtype=torch.float64), survival.detach().double().cpu().cumsum(0)])
+    best_length, best = 0, -1.0
+    for length, gained in enumerate(expected.tolist()):
+        tokens = rows * (1 + length) + background_tokens
+        if tokens in measured:
+            cost = measured[tokens]
+        elif plain_tokens in measured:
+            cost = measured[plain_tokens] * rate(plain_tokens) / rate(tokens)
+        else:
+            cost = 1.0 / rate(tokens)
+        cost += draft_seconds if length else 0.0
+        theta = (rows * (1.0 + gained) + background_tokens) / max(cost, 1e-12)
+        if theta > best:
+            best, best_length = theta, length
+    return best_length
+
+
 def _candidate_order(survival: torch.Tensor) -> tuple[list[int], list[float]]:
     """Flat indices `r·γ + j` sorted by decreasing survival; ties keep request-then-position order."""
     flat = survival.detach().reshape(-1).double().cpu()
@@ -130,11 +195,27 @@ class ScheduleContext:
         background_tokens (`int`): tokens of other requests sharing the verification forward.
         previous_survival (`torch.Tensor`, *optional*): the previous round's survival probabilities
             `(R', γ)` (for the lagged policy).
+        survival_estimate (`torch.Tensor`, *optional*): running mean survival per block position `(γ,)` over
+            earlier rounds (for the uniform policy).
+        draft_seconds (`dict[int, list[float]]`): recent drafting times per number of requests.
+        round_seconds (`dict[tuple[int, int], list[float]]`): recent times of the rest of a round (forward
+            included) per `(requests, tokens computed)`.
+        since_plain (`dict[int, int]`): rounds since the last plain round, per number of requests.
+        predicted_accepted, realized_accepted (`float`): drafted tokens expected to be accepted from the
+            survival probabilities, and accepted in fact, over recent rounds (decayed sums).
+        planned_length (`int`, *optional*): the length a policy fixed before this round's drafting.
     """
 
     sps: Callable[[int], float] | None = None
     background_tokens: int = 0
     previous_survival: torch.Tensor | None = None
+    survival_estimate: torch.Tensor | None = None
+    draft_seconds: dict[int, list[float]] = field(default_factory=dict)
+    round_seconds: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    since_plain: dict[int, int] = field(default_factory=dict)
+    predicted_accepted: float = 0.0
+    realized_accepted: float = 0.0
+    planned_length: int | None = None
 
 
 class VerificationPolicy:
@@ -152,6 +233,26 @@ class VerificationPolicy:
         self, survival: torch.Tensor, context: ScheduleContext | None = None
     ) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int | None:
+        """A length for every request fixed *before* drafting (`0`: skip drafting), or `None` (the default:
+        the length is chosen from the drafted block)."""
+        return None
+
+    def observe_round(
+        self,
+        context: ScheduleContext,
+        rows: int,
+        forward_tokens: int,
+        rest_seconds: float,
+        draft_seconds: float | None = None,
+        survival: torch.Tensor | None = None,
+        verified: list[int] | None = None,
+        accepted: list[int] | None = None,
+    ) -> None:
+        """Learn from a finished round (the default: nothing). `survival` is the round's `(rows, γ)` matrix
+        when it drafted; `rest_seconds` is the round's time besides drafting; `verified` and `accepted`
+        are the drafts each request verified and kept."""
 
 
 @dataclass
@@ -233,6 +334,114 @@ class LaggedHardwareAwarePolicy(HardwareAwarePolicy):
         return top_k_lengths(survival, capacity)
 
 
+@dataclass
+class UniformHardwareAwarePolicy(HardwareAwarePolicy):
+    """One length for the whole batch, fixed before drafting, from measured costs ([`uniform_length`]).
+
+    Built for the engine's padded verification forward, whose cost is `rows · (1 + max ℓ)` tokens: the
+    token-by-token admission of Algorithm 1 prices a ragged batch as if it were packed, and so it
+    under-verifies the rows that padding would carry for free. This policy picks `L` from the running mean
+    survival of earlier rounds, rescaled by how many of the drafts it verified were really accepted (the
+    confidences' calibration drifts with the traffic), and from costs it measures as it runs (medians of
+    the last `window` rounds): the drafting step per batch size, and the rest of a round per batch size and
+    forward size. A forward size not measured yet costs the measured plain round scaled by the SPS
+    profile's cost ratio. The first `plain_samples` rounds at a new batch size are plain ones (`L = 0`),
+    and so is one in every `refresh_every` after, so that every length is weighed against recently measured
+    plain rounds. When no length pays for the draft, `L = 0` and the round skips drafting altogether, so
+    under heavy load it costs about what plain decoding costs.
+
+    Lossless like the lagged policy: `L` is fixed before any current token is drafted.
+
+    Args:
+        prior (`float`, *optional*, defaults to 0.7): per-position survival assumed before any round.
+        smoothing (`float`, *optional*, defaults to 0.2): weight of the newest round in the running mean.
+        window (`int`, *optional*, defaults to 16): timings kept per key (their median is used).
+        plain_samples (`int`, *optional*, defaults to 3): plain rounds measured at a batch size before drafting.
+        refresh_every (`int`, *optional*, defaults to 16): after this many drafting rounds at a batch size, one
+            plain round re-measures the alternative (the machine's load drifts).
+    """
+
+    prior: float = 0.7
+    smoothing: float = 0.2
+    window: int = 16
+    plain_samples: int = 3
+    refresh_every: int = 16
+    name = "hardware_aware_uniform"
+
+    def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
+        sps = _sps_fn(self.sps, context)
+        estimate = context.survival_estimate
+        if estimate is None or estimate.numel() != gamma:
+            estimate = self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
+        elif context.predicted_accepted > 0:
+            # the confidences' calibration drifts with the traffic: rescale them by what was really accepted
+            ratio = context.realized_accepted / context.predicted_accepted
+            estimate = (estimate * ratio).clamp(max=1.0)
+        plain = context.round_seconds.get((rows, rows + self.background_tokens + context.background_tokens), [])
+        if len(plain) < self.plain_samples or context.since_plain.get(rows, 0) >= self.refresh_every:
+            return 0  # (re-)measure a plain round at this batch size: the alternative every length must beat
+        measured = {b: statistics.median(ts) for (r, b), ts in context.round_seconds.items() if r == rows}
+        return uniform_length(
+            estimate,
+            rows,
+            sps,
+            draft_seconds=_nearest(context.draft_seconds, rows),
+            background_tokens=self.background_tokens + context.background_tokens,
+            measured=measured,
+        )
+
+    def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
+        context = context or ScheduleContext()
+        length = context.planned_length
+        if length is None:
+            length = self.plan_length(survival.shape[0], survival.shape[-1], context)
+        return fixed_lengths(survival, length)
+
+    def observe_round(
+        self,
+        context,
+        rows,
+        forward_tokens,
+        rest_seconds,
+        draft_seconds=None,
+        survival=None,
+        verified=None,
+        accepted=None,
+    ) -> None:
+        if survival is not None and survival.numel():
+            matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
+            mean = matrix.mean(dim=0)
+            old = context.survival_estimate
+            fresh = old is None or old.shape != mean.shape
+            context.survival_estimate = mean if fresh else (1 - self.smoothing) * old + self.smoothing * mean
+            if verified is not None and accepted is not None and sum(verified):
+                predicted = sum(float(matrix[r, :n].sum()) for r, n in enumerate(verified) if n)
+                keep = 1 - self.smoothing
+                context.predicted_accepted = keep * context.predicted_accepted + predicted
+                context.realized_accepted = keep * context.realized_accepted + float(sum(accepted))
+        tokens = forward_tokens + self.background_tokens + context.background_tokens
+        plain = forward_tokens == rows
+        context.since_plain[rows] = 0 if plain else context.since_plain.get(rows, 0) + 1
+        if draft_seconds is not None:
+            _remember(context.draft_seconds, rows, draft_seconds, self.window)
+        _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
+
+
+def _remember(table: dict, key, value: float, window: int) -> None:
+    """Append `value` to `table[key]`, keeping the last `window` values."""
+    values = table.setdefault(key, [])
+    values.append(float(value))
+    del values[:-window]
+
+
+def _nearest(table: dict[int, list[float]], rows: int) -> float:
+    """Median of the values measured at `rows`, else at the nearest measured size (the larger on a tie), else 0."""
+    if not table:
+        return 0.0
+    key = rows if rows in table else min(table, key=lambda r: (abs(r - rows), -r))
+    return statistics.median(table[key])
+
+
 def _sps_fn(profile: SPSProfile | None, context: ScheduleContext) -> Callable[[int], float]:
     if profile is not None:
         return profile.sps
@@ -250,7 +459,8 @@ def resolve_policy(
     """Turn a policy object or a string into a policy.
 
     Strings: `"fixed"`, `"fixed:4"`, `"threshold:0.3"`, `"hardware_aware"`, `"hardware_aware:32"` (32
-    background tokens), `"hardware_aware_lagged"`, `"hardware_aware_lagged:32"`.
+    background tokens), `"hardware_aware_lagged"`, `"hardware_aware_lagged:32"`, `"hardware_aware_uniform"`,
+    `"hardware_aware_uniform:32"`.
 
     Args:
         spec: the policy, its string form, or `None` for the default: `hardware_aware` when the draft has a
@@ -273,12 +483,15 @@ def resolve_policy(
                 policy = HardwareAwarePolicy(background_tokens=int(arg) if arg else 0)
             elif name == "hardware_aware_lagged":
                 policy = LaggedHardwareAwarePolicy(background_tokens=int(arg) if arg else 0)
+            elif name == "hardware_aware_uniform":
+                policy = UniformHardwareAwarePolicy(background_tokens=int(arg) if arg else 0)
             else:
                 raise KeyError(name)
         except (KeyError, ValueError) as err:
             raise ValueError(
                 f"Unknown verification policy {spec!r}: use 'fixed', 'fixed:N' (N tokens), 'threshold:T' "
-                "(0 <= T <= 1), 'hardware_aware[:BG]' or 'hardware_aware_lagged[:BG]' (BG = background tokens), "
+                "(0 <= T <= 1), 'hardware_aware[:BG]', 'hardware_aware_lagged[:BG]' or 'hardware_aware_uniform[:BG]' "
+                "(BG = background tokens), "
                 "or pass a VerificationPolicy object."
             ) from err
     else:

@@ -22,7 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default=None,
-        help="verification policy: fixed, fixed:N, threshold:T, hardware_aware[:BG], hardware_aware_lagged[:BG]",
+        help=(
+            "verification policy: fixed, fixed:N, threshold:T, hardware_aware[:BG], hardware_aware_lagged[:BG], "
+            "hardware_aware_uniform[:BG]"
+        ),
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each method; medians reported")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -1,0 +1,157 @@
+"""The uniform hardware-aware policy: one length for the whole batch, fixed before drafting, from measured costs.
+
+Checked here on tensors: the length it picks for known costs (table), that the draft's cost and the batch size
+push it to shorter lengths and finally to `0` (skip drafting), that it learns its costs and survival from the
+rounds it observes, and that it is exact on the paper's Appendix A counterexample whatever it has seen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_hf.scheduler import ScheduleContext, UniformHardwareAwarePolicy, resolve_policy, uniform_length
+from dspark_hf.sps import SPSProfile
+
+from test_scheduler_hardware import P_TARGET, exact_first_token_distribution
+
+FLAT = SPSProfile({1: 0.1, 256: 0.1}).sps  # verifying more is free
+LINEAR = SPSProfile({1: 0.1, 2: 0.2, 256: 25.6}).sps  # every token costs a full forward
+# stock CPU kernels on SmolLM2-135M (docs/cpu-packing.md): 2 tokens cost more than 8
+CPU = SPSProfile({1: 0.058, 2: 0.0977, 4: 0.0941, 8: 0.0857, 16: 0.0945, 32: 0.1293, 64: 0.1826}).sps
+# the shipped draft's prefix survival at temperature 0 (docs/results/eval)
+SURVIVAL = torch.tensor([0.30, 0.10, 0.05, 0.02, 0.01, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "survival, rows, sps, draft, measured, expected",
+    [
+        ([0.9, 0.8, 0.7], 1, FLAT, 0.0, None, 3),  # free tokens: the whole block
+        ([0.9, 0.8, 0.0], 1, FLAT, 0.0, None, 2),  # survival 0 earns nothing; the tie keeps the shorter
+        ([0.9, 0.8, 0.7], 1, LINEAR, 0.0, None, 0),  # a = 0.9 cannot pay for a second full forward
+        ([0.9, 0.8, 0.7], 1, FLAT, 0.3, None, 0),  # 3 forwards' worth of drafting is too dear for 3.4 tokens
+        ([0.9, 0.8, 0.7], 1, FLAT, 0.05, None, 3),  # cheap drafting pays
+        # rounds measured 10x faster than the profile says: the same 0.05 s of drafting no longer pays
+        ([0.9, 0.8, 0.7], 1, FLAT, 0.05, {1: 0.01}, 0),
+        # the stock CPU curve at the shipped draft's survival, 12 ms of drafting: at R=1 the 1 -> 2 cliff and
+        # the draft are too dear for 1.48 tokens a round...
+        (SURVIVAL.tolist(), 1, CPU, 0.012, None, 0),
+        # ...unless a measured 8-token round is cheaper than the profile says (70 ms, not 1.48 x 62 ms)
+        (SURVIVAL.tolist(), 1, CPU, 0.012, {1: 0.062, 8: 0.070}, 7),
+        (SURVIVAL.tolist(), 2, CPU, 0.012, None, 3),  # 2 rows: 8 tokens are the cheapest point of the curve
+        (SURVIVAL.tolist(), 8, CPU, 0.012, None, 1),
+        (SURVIVAL.tolist(), 16, CPU, 0.012, None, 0),  # 16 rows: every extra position costs 16 tokens
+    ],
+)
+def test_uniform_length_table(survival, rows, sps, draft, measured, expected):
+    assert uniform_length(torch.tensor(survival), rows, sps, draft, measured=measured) == expected
+
+
+def test_uniform_length_falls_with_load():
+    """Rows (and background tokens) make every extra position cost `rows` tokens; L falls to 0."""
+    sps = SPSProfile({1: 0.05, 8: 0.05, 16: 0.06, 32: 0.08, 64: 0.13, 128: 0.25, 256: 0.5}).sps
+    survival = torch.tensor([0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05])
+    by_rows = [uniform_length(survival, r, sps, draft_seconds=0.005) for r in (1, 2, 4, 8, 16, 32, 64)]
+    assert by_rows == [7, 5, 4, 3, 2, 1, 0]
+    by_bg = [uniform_length(survival, 1, sps, 0.005, background_tokens=bg) for bg in (0, 4, 16, 64)]
+    assert by_bg == [7, 4, 0, 0]
+    assert all(a >= b for a, b in zip(by_bg, by_bg[1:])) and by_bg[0] > by_bg[-1], by_bg
+
+
+def test_uniform_length_rejects_a_broken_profile():
+    with pytest.raises(ValueError, match="must be positive"):
+        uniform_length(torch.tensor([0.5]), 1, lambda b: 0.0)
+
+
+def test_policy_learns_costs_and_survival_from_rounds():
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 256: 0.1}), smoothing=0.5, plain_samples=0)
+    ctx = ScheduleContext()
+    assert policy.plan_length(2, 3, ctx) == 3  # prior 0.7^k, free tokens, drafting not yet measured
+    drafted = torch.tensor([[0.6, 0.3, 0.1]] * 2)
+    policy.observe_round(ctx, rows=2, forward_tokens=8, rest_seconds=0.13, draft_seconds=0.3, survival=drafted)
+    torch.testing.assert_close(ctx.survival_estimate, torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64))
+    assert ctx.draft_seconds == {2: [0.3]} and ctx.round_seconds == {(2, 8): [0.13]}
+    # 0.3 s of drafting for 2 extra tokens: Θ(3) = 4 / 0.43 < Θ(0) = 2 / 0.1 (the profile's) -> skip drafting
+    assert policy.plan_length(2, 3, ctx) == 0
+    assert policy.plan_length(5, 3, ctx) == 0  # an unmeasured batch size borrows the nearest one's costs
+    # a plain round: its measured time replaces the profile's guess for 2 tokens
+    policy.observe_round(ctx, rows=2, forward_tokens=2, rest_seconds=0.2)
+    assert ctx.round_seconds[(2, 2)] == [0.2] and ctx.draft_seconds == {2: [0.3]}
+    assert policy.plan_length(2, 3, ctx) == 0  # Θ(0) = 2 / 0.2 = 10 still beats Θ(3) = 4 / 0.43
+    # a fast drafting round with perfect survival: medians and the running mean make L = 3 pay
+    policy.observe_round(
+        ctx, rows=2, forward_tokens=8, rest_seconds=0.13, draft_seconds=0.01, survival=torch.tensor([[1.0, 1.0, 1.0]])
+    )
+    torch.testing.assert_close(ctx.survival_estimate, torch.tensor([0.8, 0.65, 0.55], dtype=torch.float64))
+    assert policy.plan_length(2, 3, ctx) == 3  # Θ(3) = 2 · 3.0 / (0.13 + 0.155) = 21
+    # choose_lengths follows the plan of the round, or plans itself when called alone
+    ctx.planned_length = 1
+    assert policy.choose_lengths(torch.rand(3, 3), ctx).tolist() == [1, 1, 1]
+    assert policy.choose_lengths(torch.rand(2, 3), ScheduleContext()).tolist() == [3, 3]
+
+
+def test_plain_rounds_are_measured_first_at_each_batch_size():
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=2)
+    ctx = ScheduleContext()
+    plans = []
+    for _ in range(4):
+        plans.append(policy.plan_length(3, 4, ctx))
+        policy.observe_round(ctx, rows=3, forward_tokens=3 * (1 + plans[-1]), rest_seconds=0.1)
+    assert plans == [0, 0, 4, 4]  # two plain rounds, then the free whole block
+    assert policy.plan_length(2, 4, ctx) == 0  # a new batch size starts plain again
+
+
+def test_survival_is_rescaled_by_what_was_really_accepted():
+    """Confidences that promise twice the accepted drafts they deliver are halved before planning."""
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=0, smoothing=0.5)
+    ctx = ScheduleContext()
+    survival = torch.tensor([[0.8, 0.6, 0.4], [0.8, 0.6, 0.4]])
+    kwargs = dict(rows=2, forward_tokens=8, rest_seconds=0.1, draft_seconds=0.02, survival=survival)
+    policy.observe_round(ctx, **kwargs, verified=[3, 3], accepted=[1, 2])  # 3.6 promised, 3 delivered
+    assert (ctx.predicted_accepted, ctx.realized_accepted) == (pytest.approx(3.6), 3.0)
+    policy.observe_round(ctx, **kwargs, verified=[3, 1], accepted=[0, 0])  # 2.6 promised, none delivered
+    assert ctx.predicted_accepted == pytest.approx(0.5 * 3.6 + 2.6) and ctx.realized_accepted == 1.5
+    # a third of the promise delivered: 3 drafts per request no longer pay for 80 ms of drafting
+    ctx.draft_seconds = {2: [0.08]}
+    assert policy.plan_length(2, 3, ctx) == 0
+    ctx.predicted_accepted = ctx.realized_accepted  # a calibrated head: the whole block pays
+    assert policy.plan_length(2, 3, ctx) == 3
+
+
+def test_policy_keeps_a_window_of_timings():
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 256: 0.1}), window=2)
+    ctx = ScheduleContext()
+    for seconds in (0.5, 0.2, 0.3):
+        policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=seconds, draft_seconds=seconds / 10)
+    assert ctx.round_seconds == {(1, 1): [0.2, 0.3]} and ctx.draft_seconds == {1: [0.02, 0.03]}
+
+
+def test_measured_times_replace_the_model():
+    survival = torch.tensor([0.5, 0.25])
+    assert uniform_length(survival, 1, FLAT) == 2  # free tokens on the profile
+    # what the rounds measured: every token costs a full forward
+    assert uniform_length(survival, 1, FLAT, measured={1: 0.1, 2: 0.2, 3: 0.3}) == 0
+    assert uniform_length(survival, 1, FLAT, measured={1: 0.1, 3: 0.3}) == 1  # 2 tokens: still the profile's
+
+
+@pytest.mark.parametrize("estimate", [None, [0.8, 0.72], [0.8, 0.0], [0.99, 0.98], [0.1, 0.01]], ids=str)
+def test_appendix_a_uniform_is_exact(estimate):
+    """Whatever earlier rounds taught it, the length does not depend on the current x1: exact output."""
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 1.0, 2: 2.0, 3: 1 / 0.45}))
+    ctx = ScheduleContext(survival_estimate=None if estimate is None else torch.tensor(estimate))
+    dist = exact_first_token_distribution(lambda a: policy.choose_lengths(a, ctx))
+    torch.testing.assert_close(dist, P_TARGET)
+
+
+def test_resolve_uniform_policy():
+    assert resolve_policy("hardware_aware_uniform") == UniformHardwareAwarePolicy()
+    assert resolve_policy("hardware_aware_uniform:16") == UniformHardwareAwarePolicy(background_tokens=16)
+    with pytest.raises(ValueError, match="hardware_aware_uniform"):
+        resolve_policy("hardware_aware_uniformly")
+
+
+def test_appendix_a_control_uniform_from_current_survival_is_biased():
+    """The same search fed the *current* block's survival (not earlier rounds') peeks at x1: biased output."""
+    sps = SPSProfile({1: 1.0, 2: 2.0, 3: 1 / 0.45}).sps
+    dist = exact_first_token_distribution(lambda a: torch.tensor([uniform_length(a[0], 1, sps)]))
+    torch.testing.assert_close(dist, torch.tensor([0.85, 0.15], dtype=torch.float64))
