@@ -5,20 +5,23 @@ through the same `DSparkEngine` and interleaved within every repeat (so every mo
 load):
 
 * `none`: plain batched decoding, no drafting (`policy="none"`);
-* `fixed:1` and `fixed` (ℓ = γ): fixed verification lengths;
+* `fixed:1`, `fixed:3` and `fixed` (ℓ = γ): fixed verification lengths;
 * `hardware_aware` (paper Algorithm 1) and `hardware_aware_lagged` (§5.2), on the target's measured SPS
-  profile, scheduling the whole batch's survival matrix.
+  profile, scheduling the whole batch's survival matrix;
+* `hardware_aware_uniform`: one length for the batch, fixed before drafting from the SPS profile, the
+  survival of earlier rounds and the drafting and bookkeeping costs it measures (`0`: skip drafting).
 
 Reported per (R, mode): aggregate tokens/s (all generated tokens / wall time), per-request tokens/s (median
 over requests, each from its admission to its end), τ, mean verification length, mean verification-forward
-size, and medians over repeats. A second, optional part (`--layout-bench`) times one ragged verification
-forward in the `padded` and `packed` layouts at several R and context lengths (which layout is faster here).
+size: medians over repeats, and every repeat's aggregate tokens/s (the noise band). A second, optional part
+(`--layout-bench`) times one ragged verification forward in the `padded` and `packed` layouts at several R
+and context lengths (which layout is faster here).
 
-The speculative rows only mean something with a *trained* draft (`--draft`); with the default fresh draft
-nearly every drafted token is rejected and the modes show their overhead against `none`.
+By default the shipped, trained DSpark draft is used; with `--draft fresh` (an untrained draft) nearly every
+drafted token is rejected and the speculative modes only show their overhead against `none`.
 
 Usage:
-    python benchmarks/bench_engine_load.py [--draft PATH] [--concurrency 1 2 4 8 16 32] [--repeats 3]
+    python benchmarks/bench_engine_load.py [--draft NAME|PATH|fresh] [--concurrency 1 2 4 8 16 32] [--repeats 3]
         [--max-new-tokens 64] [--layout padded] [--layout-bench] [--threads 2] [--device cuda --dtype bfloat16]
         [--out-dir benchmarks/results]
 """
@@ -41,7 +44,7 @@ from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.engine_batch import KVStore, ragged_target_forward
 from dspark_hf.evaluation import synchronize
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
 
 PROMPTS = [
@@ -63,7 +66,7 @@ PROMPTS = [
     "Write a limerick about a cat who loves to code.",
     "Explain the difference between a list and a tuple in Python.",
 ]
-MODES = ["none", "fixed:1", "fixed", "hardware_aware", "hardware_aware_lagged"]
+MODES = ["none", "fixed:1", "fixed:3", "fixed", "hardware_aware", "hardware_aware_lagged", "hardware_aware_uniform"]
 
 
 def make_policy(mode: str, profile):
@@ -71,6 +74,8 @@ def make_policy(mode: str, profile):
         return HardwareAwarePolicy(sps=profile)
     if mode == "hardware_aware_lagged":
         return LaggedHardwareAwarePolicy(sps=profile)
+    if mode == "hardware_aware_uniform":
+        return UniformHardwareAwarePolicy(sps=profile)
     return mode
 
 
@@ -97,6 +102,10 @@ def run_load(target, draft, tok, prompts, mode, profile, args) -> dict:
         "tau": m.tau,
         "mean_verification_length": m.mean_verification_length,
         "mean_forward_tokens": m.to_dict()["mean_forward_tokens"],
+        "mean_computed_tokens": m.to_dict()["mean_computed_tokens"],  # padding included
+        "drafting_share": m.drafting_rounds / m.rounds if m.rounds else 0.0,  # rounds that ran the draft
+        "draft_ms_per_drafting_round": 1000 * m.draft_seconds / m.drafting_rounds if m.drafting_rounds else 0.0,
+        "verify_ms_per_round": 1000 * m.verify_seconds / m.rounds if m.rounds else 0.0,
         "rounds": m.rounds,
         "new_tokens": m.tokens_generated,
         "wall_s": wall,
@@ -184,7 +193,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft", default=None, help="trained draft folder (default: a fresh draft)")
+    parser.add_argument("--draft", default=None, help="draft: a shipped name, folder or Hub id, or `fresh` (default: the shipped DSpark draft)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--repeats", type=int, default=3)
@@ -200,7 +209,7 @@ def main() -> None:
         "--cpu-packing",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="packed CPU linears in every mode, `none` included (default: dspark_hf's default, on for a CPU)",
+        help="packed CPU linears in every mode, `none` included (default: off unless DSPARK_CPU_PACKING=1)",
     )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
@@ -224,7 +233,7 @@ def main() -> None:
         "dtype": str(target.dtype).replace("torch.", ""),
         "threads": args.threads,
         "target": "SmolLM2-135M-Instruct",
-        "draft": args.draft or "fresh (untrained)",
+        "draft": args.draft or "smollm2-135m-dspark (shipped default)",
         "block_size": draft.config.block_size,
         "layout": args.layout,
         "cpu_packing": args.cpu_packing,
@@ -241,7 +250,12 @@ def main() -> None:
             for mode in args.modes:  # interleaved: every mode sees the same load within a repeat
                 samples[mode].append(run_load(target, draft, tok, prompts, mode, profile, args))
         report["results"][str(r)] = {
-            mode: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for mode, runs in samples.items()
+            mode: {
+                **{k: statistics.median(s[k] for s in runs) for k in runs[0]},
+                # the spread over repeats: the noise band of the medians
+                "aggregate_tokens_per_s_runs": [s["aggregate_tokens_per_s"] for s in runs],
+            }
+            for mode, runs in samples.items()
         }
         for mode, row in report["results"][str(r)].items():
             print(
