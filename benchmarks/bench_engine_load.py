@@ -193,7 +193,11 @@ def plot(report: dict, out_dir: Path) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft", default=None, help="draft: a shipped name, folder or Hub id, or `fresh` (default: the shipped DSpark draft)")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft: a shipped name, folder or Hub id, or `fresh` (default: the shipped DSpark draft)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--repeats", type=int, default=3)
