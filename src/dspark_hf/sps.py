@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .cpu_packing import is_packed
+from .paths import cache_dir
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -156,8 +157,6 @@ def profile_sps(
 
 
 def _cache_path(target, context_length: int) -> Path:
-    from .default_model import cache_dir
-
     name = (getattr(target.config, "_name_or_path", "") or type(target).__name__).strip("/").replace("/", "--")
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")

@@ -1,0 +1,257 @@
+// Batch-invariant CPU kernels for dspark_hf's "exact" kernel mode (see dspark_hf/kernels.py).
+//
+// Every output element is computed by one fixed sequence of floating-point operations that depends only on
+// the inputs of its own row (and, for attention, on the keys that row may see), never on how many rows are
+// in the call, how they are tiled, or how many threads run. So row i of a k-row call is bit-identical to the
+// same row computed in a 1-row call: a k-token verification forward equals k one-token decoding steps.
+//
+//  * linear: out[m, n] = dot(x[m], w[n]) (+ bias[n]). The dot product runs over K in chunks of 8 floats into
+//    one 8-lane accumulator (fused multiply-add per lane), a zero-padded last chunk, then a fixed horizontal
+//    sum of the 8 lanes. Rows and columns are tiled (up to 4 x 3) so each weight chunk is loaded once for
+//    several rows, but every (m, n) pair keeps its own accumulator: tiling changes speed, not results.
+//  * attention: per (batch, head, query) the scores of the visible keys (same dot product), their maximum,
+//    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
+//    the weighted sum of values accumulated key by key in ascending order. Keys a query may not see are
+//    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more.
+//
+// Compiled with -ffp-contract=off so that the compiler never fuses or reorders anything behind our back.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DSPARK_AVX2 1
+#endif
+
+namespace {
+
+#ifdef DSPARK_AVX2
+using vec8 = __m256;
+inline vec8 vzero() { return _mm256_setzero_ps(); }
+inline vec8 vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec8 vfma(vec8 a, vec8 b, vec8 c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vec8 a) { _mm256_storeu_ps(p, a); }
+#else
+struct vec8 {
+  float v[8];
+};
+inline vec8 vzero() {
+  vec8 r;
+  for (int i = 0; i < 8; ++i) r.v[i] = 0.f;
+  return r;
+}
+inline vec8 vload(const float* p) {
+  vec8 r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline vec8 vfma(vec8 a, vec8 b, vec8 c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fmaf(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline void vstore(float* p, vec8 a) { std::memcpy(p, a.v, sizeof(a.v)); }
+#endif
+
+// The fixed horizontal sum: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+inline float hsum(vec8 a) {
+  alignas(32) float l[8];
+  vstore(l, a);
+  const float s04 = l[0] + l[4], s26 = l[2] + l[6], s15 = l[1] + l[5], s37 = l[3] + l[7];
+  return (s04 + s26) + (s15 + s37);
+}
+
+// A zero-padded copy of the last K % 8 elements, so the tail goes through the same vector step.
+inline vec8 vload_tail(const float* p, int64_t n) {
+  alignas(32) float buf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
+  return vload(buf);
+}
+
+// out[r][c] for R rows x C columns of one tile; every (r, c) keeps its own accumulator.
+template <int R, int C>
+inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, float* out, int64_t ldo,
+                     const float* bias) {
+  vec8 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  const int64_t full = K - K % 8;
+  for (int64_t k = 0; k < full; k += 8) {
+    vec8 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(ws[c] + k);
+    for (int r = 0; r < R; ++r) {
+      const vec8 xv = vload(xs[r] + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (full < K) {
+    vec8 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload_tail(ws[c] + full, K - full);
+    for (int r = 0; r < R; ++r) {
+      const vec8 xv = vload_tail(xs[r] + full, K - full);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = hsum(acc[r][c]);
+      if (bias != nullptr) s = s + bias[c];
+      out[r * ldo + c] = s;
+    }
+}
+
+template <int C>
+inline void rows_tile(const float* x, int64_t M, const float* const* ws, int64_t K, float* out, int64_t N,
+                      const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    const float* xs[4] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K, x + (m + 3) * K};
+    dot_tile<4, C>(xs, ws, K, out + m * N, N, bias);
+  }
+  for (; m < M; ++m) {
+    const float* xs[1] = {x + m * K};
+    dot_tile<1, C>(xs, ws, K, out + m * N, N, bias);
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "exact linear: x [M, K], w [N, K]");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "exact linear: bias [N] float32");
+    bp = b.data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t CT = 3;  // columns per tile
+  const int64_t tiles = (N + CT - 1) / CT;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * CT;
+      const int64_t cols = std::min<int64_t>(CT, N - n);
+      const float* b_n = bp ? bp + n : nullptr;
+      if (cols == 3) {
+        const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
+        rows_tile<3>(xp, M, ws, K, op + n, N, b_n);
+      } else if (cols == 2) {
+        const float* ws[2] = {wp + n * K, wp + (n + 1) * K};
+        rows_tile<2>(xp, M, ws, K, op + n, N, b_n);
+      } else {
+        const float* ws[1] = {wp + n * K};
+        rows_tile<1>(xp, M, ws, K, op + n, N, b_n);
+      }
+    }
+  });
+  return out;
+}
+
+// q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any strides with a contiguous last dim), mask: empty (causal: query
+// i sees keys 0 .. Lk - Lq + i) or bool broadcastable to [B, Hq, Lq, Lk] (true = may attend).
+// Returns [B, Lq, Hq, D] (the layout transformers' attention functions return).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "exact attention: float32 only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "exact attention: 4-d q, k, v");
+  if (q.stride(3) != 1) q = q.contiguous();
+  if (k.stride(3) != 1) k = k.contiguous();
+  if (v.stride(3) != 1) v = v.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2);
+  TORCH_CHECK(Hq % Hkv == 0, "exact attention: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(v.size(2) == Lk && v.size(3) == D && k.size(3) == D, "exact attention: k/v shapes");
+  const int64_t rep = Hq / Hkv;
+  const bool has_mask = mask.defined() && mask.numel() > 0;
+  torch::Tensor m;
+  if (has_mask) {
+    TORCH_CHECK(mask.scalar_type() == at::kBool, "exact attention: bool mask");
+    m = mask.expand({B, Hq, Lq, Lk});
+  }
+  auto out = torch::empty({B, Lq, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool* mp = has_mask ? m.data_ptr<bool>() : nullptr;
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const int64_t ms0 = has_mask ? m.stride(0) : 0, ms1 = has_mask ? m.stride(1) : 0;
+  const int64_t ms2 = has_mask ? m.stride(2) : 0, ms3 = has_mask ? m.stride(3) : 0;
+  const float sc = static_cast<float>(scale);
+  const int64_t dv = (D + 7) / 8;
+  TORCH_CHECK(dv <= 64, "exact attention: head_dim up to 512");
+  at::parallel_for(0, B * Hq * Lq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(Lk);
+    std::vector<char> seen(Lk);
+    vec8 acc[64];
+    alignas(32) float tmp[8];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / (Hq * Lq), h = (idx / Lq) % Hq, i = idx % Lq;
+      const int64_t hk = h / rep;
+      const float* qi = qp + b * qs[0] + h * qs[1] + i * qs[2];
+      const float* kb = kp + b * ks[0] + hk * ks[1];
+      const float* vb = vp + b * vs[0] + hk * vs[1];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < Lk; ++j) {
+        bool visible;
+        if (has_mask) {
+          visible = mp[b * ms0 + h * ms1 + i * ms2 + j * ms3];
+        } else {
+          visible = j <= Lk - Lq + i;
+        }
+        seen[j] = visible;
+        if (!visible) continue;
+        const float* kj = kb + j * ks[2];
+        const float* xs[1] = {qi};
+        const float* ws[1] = {kj};
+        float s;
+        dot_tile<1, 1>(xs, ws, D, &s, 1, nullptr);
+        s = s * sc;
+        scores[j] = s;
+        if (s > mx) mx = s;
+      }
+      float* oi = op + ((b * Lq + i) * Hq + h) * D;
+      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a fully padded row): zeros
+        for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
+        continue;
+      }
+      float denom = 0.f;
+      for (int64_t c = 0; c < dv; ++c) acc[c] = vzero();
+      for (int64_t j = 0; j < Lk; ++j) {
+        if (!seen[j]) continue;
+        const float p = std::exp(scores[j] - mx);
+        denom = denom + p;
+        const float* vj = vb + j * vs[2];
+#ifdef DSPARK_AVX2
+        const vec8 pv = _mm256_set1_ps(p);
+#else
+        vec8 pv;
+        for (int l = 0; l < 8; ++l) pv.v[l] = p;
+#endif
+        for (int64_t c = 0; c < dv; ++c) {
+          const int64_t d0 = c * 8;
+          const vec8 vv = (d0 + 8 <= D) ? vload(vj + d0) : vload_tail(vj + d0, D - d0);
+          acc[c] = vfma(pv, vv, acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < dv; ++c) {
+        vstore(tmp, acc[c]);
+        const int64_t d0 = c * 8;
+        for (int64_t l = 0; l < 8 && d0 + l < D; ++l) oi[d0 + l] = tmp[l] / denom;
+      }
+    }
+  });
+  return out;
+}

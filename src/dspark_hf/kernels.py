@@ -1,0 +1,373 @@
+"""Kernel modes for the target's forward on a CPU: `"stock"`, `"packed"` and `"exact"`.
+
+Speculative decoding verifies `k` drafted tokens in one forward of the target. What "lossless" can promise
+depends on the kernels that forward runs on:
+
+- `"stock"`: PyTorch's own kernels, untouched. A k-row forward rounds differently from k one-row forwards
+  (the matrix product switches from a matrix-vector kernel to a blocked one), so speculative greedy output
+  equals plain decoding's only as long as no near-tie of two logits is decided differently; this is an
+  empirical property, not a guarantee.
+- `"packed"`: oneDNN packed weights for every linear layer ([`packed_linears`]). Faster, but its rows are not
+  batch-invariant either.
+- `"exact"`: batch-invariant kernels. Every row of a k-row forward is computed by the same sequence of
+  floating-point operations as a one-row forward: the linear layers (LM head included) and the attention over
+  the KV cache run on small fixed-order kernels ([`exact_kernels_backend`]). Speculative decoding in this mode
+  is token-identical to plain decoding *in the same mode* by construction (greedy), and samples from exactly
+  the distribution plain decoding in this mode samples from.
+
+[`use_kernels`] switches a target (and optionally its draft) to a mode for a `with` block;
+`generate(..., dspark_kernels="exact")` does it for one call, plain or speculative, and [`set_kernels`] sets
+the mode every `generate()` call uses.
+
+The exact kernels are a C++ extension built with `torch.utils.cpp_extension` at first use (about a minute;
+it needs a C++ compiler and `ninja`) and cached under `$TORCH_EXTENSIONS_DIR` or
+`$DSPARK_HF_CACHE/torch_extensions`. Without a compiler a pure-PyTorch fallback computes each row with its
+own one-row call (identical by construction, slower).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cpu_packing import cpu_packing_enabled, is_packed, packed_linears, packing_available
+from .paths import cache_dir
+
+KERNEL_MODES = ("stock", "packed", "exact")
+
+#: The attention implementation name registered with transformers' `AttentionInterface` for the exact mode.
+EXACT_ATTENTION = "dspark_exact"
+
+#: Forwards over more rows than this (a prompt's prefill) run on the stock kernels in the exact mode. A
+#: prefill is the same call in plain and in speculative decoding, so it needs no batch invariance; the
+#: decoding and verification forwards (1 to 64 rows) all run on the exact kernels.
+EXACT_MAX_ROWS = 64
+
+_MODE: str | None = None  # set_kernels(); None: environment / legacy packing flag / "stock"
+_BACKEND: object | None = None  # the compiled extension, or False when it could not be built
+_BUILD_LOCK = threading.Lock()
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"Unknown kernel mode {mode!r}; choose one of {', '.join(repr(m) for m in KERNEL_MODES)} "
+            "(see dspark_hf.kernels)."
+        )
+    return mode
+
+
+def set_kernels(mode: str | None) -> None:
+    """Set the kernel mode that `generate()` uses for plain and speculative decoding (`None`: back to the default).
+
+    The default is `"stock"` (or the environment variable `DSPARK_KERNELS`; `DSPARK_CPU_PACKING=1` and
+    [`set_cpu_packing`] still select `"packed"` for speculative calls). Once a mode is set here or in the
+    environment, plain `generate()` calls run on it too, so both decoding paths share the same kernels.
+    """
+    global _MODE
+    _MODE = None if mode is None else _check_mode(mode)
+
+
+def explicit_kernels() -> str | None:
+    """The mode set with [`set_kernels`] or `DSPARK_KERNELS`, or `None` when neither is set."""
+    if _MODE is not None:
+        return _MODE
+    env = os.environ.get("DSPARK_KERNELS", "").strip().lower()
+    if env:
+        try:
+            return _check_mode(env)
+        except ValueError as err:
+            raise ValueError(f"DSPARK_KERNELS={env!r}: {err}") from None
+    return None
+
+
+def default_kernels() -> str:
+    """The mode speculative `generate()` uses when the call names none (see [`set_kernels`])."""
+    mode = explicit_kernels()
+    if mode is not None:
+        return mode
+    return "packed" if cpu_packing_enabled() else "stock"
+
+
+def kernels_of(model: nn.Module) -> str:
+    """Which mode `model` currently runs in: `"exact"`, `"packed"` or `"stock"`."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == EXACT_ATTENTION:
+        return "exact"
+    for module in model.modules():
+        if is_exact(module):
+            return "exact"
+        if is_packed(module):
+            return "packed"
+    return "stock"
+
+
+# ---------------------------------------------------------------------------------------------- the backend
+def _extensions_dir() -> Path:
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else cache_dir() / "torch_extensions"
+
+
+def _build_flags() -> list[str]:
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    try:  # the `ninja` package's binary, in case its folder is not on PATH (a venv that is not activated)
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    source = (Path(__file__).with_name("exact_kernels.cpp")).read_text()
+    flags = _build_flags()
+    key = hashlib.sha256("\n".join([source, *flags, torch.__version__, sys.version]).encode()).hexdigest()[:12]
+    name = f"dspark_exact_{key}"
+    folder = _extensions_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load_inline(
+        name=name,
+        cpp_sources=[source],
+        functions=["linear", "attention"],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=False,
+    )
+
+
+def _backend():
+    """The compiled extension, built on first use; `None` when it cannot be built (then the fallback runs)."""
+    global _BACKEND
+    if _BACKEND is None:
+        with _BUILD_LOCK:
+            if _BACKEND is None:
+                if os.environ.get("DSPARK_EXACT_BACKEND", "").strip().lower() == "torch":
+                    _BACKEND = False
+                else:
+                    try:
+                        _BACKEND = _build()
+                    except Exception as err:  # no compiler, no ninja, a read-only cache ...
+                        warnings.warn(
+                            f"dspark_hf could not build its exact CPU kernels ({type(err).__name__}: {err}); the "
+                            "exact kernel mode uses its pure-PyTorch fallback, which is exact but slower. Install a "
+                            "C++ compiler and `pip install ninja` to get the fast kernels.",
+                            stacklevel=3,
+                        )
+                        _BACKEND = False
+    return _BACKEND or None
+
+
+def exact_kernels_backend() -> str:
+    """Which implementation the exact mode runs: `"cpp"` (the compiled kernels) or `"torch"` (the fallback).
+
+    Builds the kernels on first call. Set `DSPARK_EXACT_BACKEND=torch` to force the fallback.
+    """
+    return "cpp" if _backend() is not None else "torch"
+
+
+def build_exact_kernels() -> str:
+    """Build (or load from the cache) the exact kernels now rather than on first use; returns the backend name."""
+    return exact_kernels_backend()
+
+
+# ---------------------------------------------------------------------------------------------- linears
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` with every row of `x` computed exactly as it would be alone (batch-invariant).
+
+    Float32 CPU tensors run on the compiled kernel; anything else (and every input when the kernel is not
+    available) runs one `torch.nn.functional.linear` call per row, which is row-invariant by construction.
+    """
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    backend = _backend()
+    if backend is not None and rows.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        out = backend.linear(rows, weight.detach(), None if bias is None else bias.detach())
+    elif rows.shape[0] == 1:
+        out = F.linear(rows, weight, bias)
+    else:
+        out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
+    return out.reshape(*lead, weight.shape[0])
+
+
+def _eligible(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is nn.Linear  # subclasses (quantised, LoRA-wrapped ...) keep their own forward
+        and "forward" not in module.__dict__  # already hooked (accelerate offload, packing)
+        and isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.layout == torch.strided
+    )
+
+
+def _exact_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.device.type != "cpu"
+        or x.dtype != self.weight.dtype
+        or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        or x.numel() > EXACT_MAX_ROWS * x.shape[-1]
+    ):
+        return nn.Linear.forward(self, x)
+    return exact_linear(x, self.weight, self.bias)
+
+
+def is_exact(module: nn.Module) -> bool:
+    """Whether `module` (an `nn.Linear`) currently runs on the exact kernel."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _exact_forward
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def exact_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (registered as `"dspark_exact"`) whose query rows are batch-invariant.
+
+    Each query attends to the keys its mask allows (causal over the cache when the mask is `None`), and is
+    computed exactly as a one-query call over the same visible keys computes it. Shapes follow transformers'
+    convention: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]`; returns `([B, Lq, Hq, D], None)`.
+    """
+    for name in ("s_aux", "sinks", "softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"The exact kernel mode does not support attention with `{name}` (model "
+                f"{type(module).__name__}); use kernels='stock' or 'packed' for this model."
+            )
+    if dropout and module.training:
+        raise NotImplementedError("The exact kernel mode is for inference; attention dropout is not supported.")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:  # an additive float mask: allowed where it is finite
+        mask = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min)
+    if query.shape[2] > EXACT_MAX_ROWS:  # a prefill: the same call in plain and speculative decoding
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    backend = _backend()
+    if (
+        backend is not None
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.device.type == "cpu"
+    ):
+        empty = torch.empty(0, dtype=torch.bool)
+        return backend.attention(query, key, value, empty if mask is None else mask, float(scale)), None
+    return _attention_fallback(query, key, value, mask, scale), None
+
+
+def _attention_fallback(query, key, value, mask, scale) -> torch.Tensor:
+    """One query at a time over exactly the keys it may see (its causal prefix): row-invariant by construction."""
+    batch, heads, q_len, dim = query.shape
+    kv_len, rep = key.shape[2], heads // key.shape[1]
+    outs = []
+    for i in range(q_len):
+        visible = kv_len - q_len + i + 1
+        q = query[:, :, i : i + 1].contiguous()
+        k = key[:, :, :visible].repeat_interleave(rep, dim=1).contiguous()
+        v = value[:, :, :visible].repeat_interleave(rep, dim=1).contiguous()
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if mask is not None:
+            row = mask[..., i : i + 1, :visible].expand(batch, heads, 1, visible)
+            scores = scores.masked_fill(~row, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row (padding): zeros
+        outs.append(torch.matmul(probs, v))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    if EXACT_ATTENTION in AttentionInterface._global_mapping:
+        return
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
+    AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks (or None: plain causal)
+
+
+# ---------------------------------------------------------------------------------------------- modes
+@contextlib.contextmanager
+def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
+    """Run `models` on the exact kernels inside the block, then restore them.
+
+    Every eligible `nn.Linear` (plain CPU linears; not subclasses or already-hooked ones) runs on
+    [`exact_linear`]; every model with a transformers config that supports `set_attn_implementation` runs its
+    attention through [`exact_attention_forward`]. Models already in the exact mode are left as they are.
+    """
+    _backend()  # build (or load) the kernels now, not inside the first forward
+    _register_attention()
+    changed: list[nn.Module] = []
+    attn: list[tuple[nn.Module, str]] = []
+    try:
+        for model in models:
+            if model is None:
+                continue
+            config = getattr(model, "config", None)
+            current = getattr(config, "_attn_implementation", None)
+            if (
+                current is not None
+                and current != EXACT_ATTENTION
+                and hasattr(model, "set_attn_implementation")
+                and model._can_set_attn_implementation()
+            ):
+                model.set_attn_implementation(EXACT_ATTENTION)
+                attn.append((model, current))
+            for module in model.modules():
+                if _eligible(module):
+                    module.forward = types.MethodType(_exact_forward, module)
+                    changed.append(module)
+        yield
+    finally:
+        for module in changed:
+            if is_exact(module):
+                del module.forward
+        for model, previous in reversed(attn):
+            model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def use_kernels(*models: nn.Module | None, mode: str) -> Iterator[str]:
+    """Run `models` (a target and optionally its draft) on the kernels of `mode` inside the block.
+
+    Args:
+        *models (`nn.Module`): the models to switch (`None` entries are skipped).
+        mode (`str`): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights, see
+            [`packed_linears`]) or `"exact"` (batch-invariant kernels, see [`exact_kernels`]).
+
+    Yields the mode. On a model whose weights are not on the CPU the exact and packed modes change nothing
+    (their kernels are CPU kernels).
+    """
+    _check_mode(mode)
+    if mode == "stock":
+        yield mode
+    elif mode == "packed":
+        with packed_linears(*models, enabled=packing_available()):
+            yield mode
+    else:
+        with exact_kernels(*models):
+            yield mode
