@@ -33,7 +33,7 @@ from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .compat import check_target_compatibility
-from .cpu_packing import packed_linears
+from .kernels import default_kernels, explicit_kernels, use_kernels
 from .modeling import DSparkCache, DSparkDraftModel
 from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
@@ -383,18 +383,25 @@ def install_generate_hook() -> None:
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
         draft = kwargs.get("assistant_model")
+        # `dspark_kernels=` ("stock" / "packed" / "exact", see dspark_hf.kernels) applies to plain and speculative
+        # calls alike, so both can run on the same kernels; without it, a mode set with set_kernels() does.
+        kernels = kwargs.pop("dspark_kernels", None)
         if not isinstance(draft, DSparkDraftModel):
             if "dspark_policy" in kwargs:
                 raise ValueError("`dspark_policy` only applies with `assistant_model=<DSparkDraftModel>`.")
-            return original_generate(self, *args, **kwargs)
+            kernels = kernels or explicit_kernels()
+            if kernels is None:
+                return original_generate(self, *args, **kwargs)
+            with use_kernels(self, mode=kernels):
+                return original_generate(self, *args, **kwargs)
         check_target_compatibility(draft.config, self)
         # `dspark_policy=` as a generate() argument applies to this call only; transformers would reject an
         # unknown keyword, so it is handed to the candidate generator through the draft.
         draft._call_policy = kwargs.pop("dspark_policy", None)
         try:
-            # On a CPU, the target's and the draft's linears run on packed weights for this call, so that
-            # verifying k tokens costs about what one token does (see dspark_hf.cpu_packing).
-            with packed_linears(self, draft):
+            # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
+            # verifying k tokens cost about what one token does (see dspark_hf.kernels).
+            with use_kernels(self, draft, mode=kernels or default_kernels()):
                 return original_generate(self, *args, **kwargs)
         finally:
             draft._call_policy = None

@@ -270,11 +270,7 @@ def exact_attention_forward(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     backend = _backend()
-    if (
-        backend is not None
-        and query.dtype == key.dtype == value.dtype == torch.float32
-        and query.device.type == "cpu"
-    ):
+    if backend is not None and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu":
         empty = torch.empty(0, dtype=torch.bool)
         return backend.attention(query, key, value, empty if mask is None else mask, float(scale)), None
     return _attention_fallback(query, key, value, mask, scale), None
@@ -316,8 +312,9 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
     """Run `models` on the exact kernels inside the block, then restore them.
 
     Every eligible `nn.Linear` (plain CPU linears; not subclasses or already-hooked ones) runs on
-    [`exact_linear`]; every model with a transformers config that supports `set_attn_implementation` runs its
-    attention through [`exact_attention_forward`]. Models already in the exact mode are left as they are.
+    [`exact_linear`]; every transformers model whose attention goes through `AttentionInterface` runs it
+    through [`exact_attention_forward`] (a DSpark draft keeps its own attention: only the target's forward
+    needs to be batch-invariant). Models already in the exact mode are left as they are.
     """
     _backend()  # build (or load) the kernels now, not inside the first forward
     _register_attention()
@@ -329,11 +326,13 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 continue
             config = getattr(model, "config", None)
             current = getattr(config, "_attn_implementation", None)
+            # only models whose attention goes through transformers' AttentionInterface (a DSpark draft calls
+            # its own attention and keeps it)
             if (
                 current is not None
                 and current != EXACT_ATTENTION
+                and getattr(model, "_supports_attention_backend", False)
                 and hasattr(model, "set_attn_implementation")
-                and model._can_set_attn_implementation()
             ):
                 model.set_attn_implementation(EXACT_ATTENTION)
                 attn.append((model, current))
