@@ -44,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .commands._common import UserError
+
     module = importlib.import_module(f"dspark_hf.commands.{COMMANDS[args.command][0]}")
-    return module.main(args) or 0
+    try:
+        return module.main(args) or 0
+    except UserError as err:  # a mistake on the command line: one line, no traceback
+        print(f"dspark {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

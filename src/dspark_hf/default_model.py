@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .extras import require
 from .paths import cache_dir  # re-exported: callers import it from here
 
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -46,6 +47,8 @@ def default_target_path() -> str:
 
 def _convert_gguf(gguf_folder: Path, out: Path) -> None:
     """De-quantise the shipped GGUF to an fp32 HF folder, written atomically (temp folder + rename)."""
+    # transformers reads GGUF through `gguf` and (since 5.x) refuses GGUF loading without `accelerate`
+    require("gguf", "accelerate", extra="default-model", purpose="loading the default target from its GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
