@@ -20,6 +20,7 @@ from .convert import export_deepspec, load_deepspec_checkpoint
 from .cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
 from .engine import DSparkEngine, RequestOutput, SamplingParams
 from .generation import DSparkCandidateGenerator, install_generate_hook
+from .kernels import KERNEL_MODES, build_exact_kernels, exact_kernels, kernels_of, set_kernels, use_kernels
 from .modeling import DSparkDraftModel, DSparkOutput
 from .scheduler import (
     FixedPolicy,
@@ -38,6 +39,7 @@ AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
 install_generate_hook()
 
 __all__ = [
+    "KERNEL_MODES",
     "DSparkCandidateGenerator",
     "DSparkConfig",
     "DSparkDraftModel",
@@ -54,15 +56,20 @@ __all__ = [
     "ThresholdPolicy",
     "UniformHardwareAwarePolicy",
     "VerificationPolicy",
+    "build_exact_kernels",
     "default_target_layer_ids",
+    "exact_kernels",
     "export_deepspec",
     "get_sps_profile",
     "profile_sps",
+    "kernels_of",
     "load_deepspec_checkpoint",
     "pack_linear_weights",
     "packed_linears",
     "resolve_policy",
     "set_cpu_packing",
+    "set_kernels",
     "unpack_linear_weights",
+    "use_kernels",
     "__version__",
 ]

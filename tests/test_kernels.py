@@ -1,0 +1,188 @@
+"""Kernel modes (`dspark_hf.kernels`): the exact mode's batch invariance, with negative controls.
+
+The verification shape: `k` new tokens forwarded at once on top of a KV cache must give, row by row, the very
+same logits (`torch.equal`) as the same tokens decoded one at a time on the same cache. The exact mode must
+pass for every k in 2..16 on tiny Llama / Qwen2 / Qwen3 targets (fp32) and on the real default model; the
+stock kernels and a deliberately batch-variant kernel (a split-K reduction for multi-row calls) must fail the
+same check, which shows the check has the power to tell them apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import dspark_hf
+from dspark_hf import cpu_packing, kernels
+from dspark_hf.kernels import exact_linear, kernels_of, use_kernels
+
+from helpers import make_aligned_draft, make_target
+
+KS = range(2, 17)
+CONTEXT = 21
+
+
+def _target(arch: str):
+    # fp32 (the exact kernels' dtype) and wide enough that the stock kernels' multi-row path differs
+    return make_target(arch, vocab_size=512, hidden_size=128, num_layers=2, dtype=torch.float32)
+
+
+@torch.no_grad()
+def _prefilled(model, prompt):
+    cache = DynamicCache(config=model.config)
+    model(prompt, cache=cache, use_cache=True)
+    return cache
+
+
+@torch.no_grad()
+def identical_rows(model, ks=KS, context=CONTEXT, seed=0) -> dict[int, int]:
+    """For each k: how many rows of a k-token forward on a cache equal decoding the k tokens one at a time."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (1, context), generator=gen)
+    new = torch.randint(0, vocab, (1, max(ks)), generator=gen)
+    cache = _prefilled(model, prompt)
+    steps = [model(new[:, i : i + 1], cache=cache, use_cache=True).logits[0, 0] for i in range(max(ks))]
+    counts = {}
+    for k in ks:
+        block = model(new[:, :k], cache=_prefilled(model, prompt), use_cache=True).logits[0]
+        counts[k] = sum(torch.equal(block[i], steps[i]) for i in range(k))
+    return counts
+
+
+def _split_k_linear(x, weight, bias=None):
+    """A deliberately batch-variant kernel: multi-row calls sum two half-K products (another reduction order)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        return exact_linear(x, weight, bias)
+    half = x.shape[-1] // 2
+    out = exact_linear(rows[:, :half], weight[:, :half]) + exact_linear(rows[:, half:], weight[:, half:], bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_exact_mode_rows_are_bit_identical_to_one_token_steps(arch):
+    target = _target(arch)
+    with use_kernels(target, mode="exact"):
+        assert kernels_of(target) == "exact"
+        counts = identical_rows(target)
+    assert counts == {k: k for k in KS}
+    assert kernels_of(target) == "stock"  # restored after the block
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stock_kernels_fail_the_invariance_check(arch):
+    counts = identical_rows(_target(arch))
+    assert sum(counts.values()) < sum(KS) / 2, counts  # most rows differ in the last bits
+
+
+def test_split_k_kernel_fails_the_invariance_check(monkeypatch):
+    target = _target("llama")
+    monkeypatch.setattr(kernels, "exact_linear", _split_k_linear)
+    with use_kernels(target, mode="exact"):
+        counts = identical_rows(target, ks=(2, 8, 16))
+    assert sum(counts.values()) < 13, counts
+
+
+def test_packed_kernels_are_not_batch_invariant():
+    if not cpu_packing.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linears")
+    target = _target("llama")
+    with use_kernels(target, mode="packed"):
+        assert kernels_of(target) == "packed"
+        counts = identical_rows(target, ks=(2, 8, 16))
+    assert sum(counts.values()) < 13, counts
+
+
+def test_pytorch_fallback_is_batch_invariant(monkeypatch):
+    monkeypatch.setattr(kernels, "_BACKEND", False)  # as when no compiler is available
+    assert kernels.exact_kernels_backend() == "torch"
+    target = _target("qwen2")
+    with use_kernels(target, mode="exact"):
+        counts = identical_rows(target, ks=(2, 5, 16))
+    assert counts == {2: 2, 5: 5, 16: 16}
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (100, 37), (7, 5), (1536, 1)])
+def test_exact_linear_rows_match_one_row_calls_and_the_product(shape):
+    k_in, n_out = shape
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(n_out, k_in), torch.randn(n_out), torch.randn(16, k_in)
+    full = exact_linear(x, weight, bias)
+    assert all(torch.equal(exact_linear(x[i : i + 1], weight, bias)[0], full[i]) for i in range(16))
+    torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4 * k_in**0.5)
+    # leading dims are kept
+    assert exact_linear(x.reshape(2, 8, k_in), weight).shape == (2, 8, n_out)
+
+
+def test_exact_attention_matches_sdpa_and_respects_a_padding_mask():
+    torch.manual_seed(0)
+    batch, heads, kv_heads, q_len, kv_len, dim = 2, 4, 2, 5, 12, 16
+    q = torch.randn(batch, heads, q_len, dim)
+    k, v = torch.randn(batch, kv_heads, kv_len, dim), torch.randn(batch, kv_heads, kv_len, dim)
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    mask = causal.expand(batch, 1, q_len, kv_len).clone()
+    mask[1, :, :, :3] = False  # the second sequence is left-padded by 3
+    module = torch.nn.Module()
+    out, _ = kernels.exact_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # each query row equals the one-query call over the keys it sees
+    for i in range(q_len):
+        seen = kv_len - q_len + i + 1
+        one, _ = kernels.exact_attention_forward(
+            module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen], scaling=dim**-0.5
+        )
+        assert torch.equal(one[:, 0], out[:, i])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculative_greedy_is_token_identical_to_plain_decoding_in_exact_mode(arch):
+    target = make_target(arch, markov=True, dtype=torch.float32)
+    draft = make_aligned_draft(target, block_size=5)
+    kw = {"max_new_tokens": 40, "do_sample": False, "dspark_kernels": "exact"}
+    for seed in range(3):
+        prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
+        plain = target.generate(prompt, **kw)
+        spec = target.generate(prompt, assistant_model=draft, dspark_policy="fixed", **kw)
+        stats = draft.last_generation_stats
+        assert max(r.accepted for r in stats.rounds) >= 2  # some verification forwards accepted several tokens
+        assert torch.equal(plain, spec)
+    assert kernels_of(target) == "stock"
+
+
+def test_set_kernels_applies_to_plain_generate_and_bad_modes_are_refused(monkeypatch):
+    target = _target("llama")
+    seen = []
+    original = kernels.exact_linear
+    monkeypatch.setattr(kernels, "exact_linear", lambda *a, **k: seen.append(1) or original(*a, **k))
+    prompt = torch.tensor([[1, 2, 3]])
+    dspark_hf.set_kernels("exact")
+    try:
+        target.generate(prompt, max_new_tokens=2, do_sample=False)
+    finally:
+        dspark_hf.set_kernels(None)
+    assert seen  # plain generate() ran on the exact kernels
+    seen.clear()
+    target.generate(prompt, max_new_tokens=2, do_sample=False)
+    assert not seen  # and on the stock ones again once the mode was reset
+    with pytest.raises(ValueError, match="Unknown kernel mode 'fast'.*'stock', 'packed', 'exact'"):
+        target.generate(prompt, max_new_tokens=2, dspark_kernels="fast")
+    with pytest.raises(ValueError, match="Unknown kernel mode"):
+        dspark_hf.set_kernels("fast")
+
+
+@pytest.mark.real_model
+def test_real_default_model_exact_mode_is_batch_invariant_and_stock_is_not():
+    from dspark_hf.default_model import load_default_target
+
+    target, _ = load_default_target()
+    with use_kernels(target, mode="exact"):
+        counts = identical_rows(target, context=37)
+    assert counts == {k: k for k in KS}
+    stock = identical_rows(target, ks=(2, 8, 16), context=37)
+    assert sum(stock.values()) < 13, stock
