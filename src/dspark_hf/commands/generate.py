@@ -43,6 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for sampling and for a fresh draft's weights (default: 0)"
     )
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        choices=("stock", "packed", "exact"),
+        help="kernels the speculative run and its same-kernel plain baseline use: exact (batch-invariant: "
+        "speculative greedy output equals plain decoding on them by construction), packed or stock "
+        "(default: exact on a CPU, stock elsewhere; see docs/cpu-packing.md)",
+    )
+    parser.add_argument(
+        "--refresh-sps",
+        action="store_true",
+        help="re-measure the target's SPS profile (the hardware-aware policies' cost curve) instead of reusing it",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,10 +63,10 @@ def main(args: argparse.Namespace) -> int:
     import transformers
     from transformers import GenerationConfig
 
-    from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
     from dspark_hf.default_model import SHIPPED_DRAFTS, chat_inputs, load_draft, load_target
     from dspark_hf.evaluation import synchronize
     from dspark_hf.scheduler import resolve_policy
+    from dspark_hf.sps import get_sps_profile
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UserError("--repeats and --max-new-tokens must be >= 1")
@@ -101,47 +114,66 @@ def main(args: argparse.Namespace) -> int:
         # transformers does not warn that they are ignored.
         config.temperature, config.top_p, config.top_k = args.temperature, 1.0, 0
 
-    def timed(packed=False, **extra):
+    mode = args.kernels or ("exact" if target.device.type == "cpu" else "stock")
+    if args.refresh_sps and policy.needs_sps:
+        from dspark_hf.kernels import use_kernels
+
+        with use_kernels(target, mode=mode):
+            get_sps_profile(target, refresh=True)  # measured on the kernels the speculative run uses
+
+    def timed(kernels, **extra):
         torch.manual_seed(args.seed)
         start = time.perf_counter()
-        with torch.no_grad(), packed_linears(target, enabled=packed):
-            out = target.generate(**inputs, generation_config=config, **extra)
+        with torch.no_grad():
+            out = target.generate(**inputs, generation_config=config, dspark_kernels=kernels, **extra)
         synchronize(out.device)  # a GPU runs asynchronously: count the work, not just its launch
         return out, time.perf_counter() - start
 
-    # On a CPU speculative decoding runs the linears on packed weights (dspark_hf.cpu_packing); plain decoding
-    # on the same kernels is timed too, so the printout separates the kernels' share from speculation's.
-    packing = cpu_packing_enabled() and target.device.type == "cpu"
-    timed(), timed(assistant_model=draft)  # warm-up (allocations, weight packing, SPS profile), not reported
-    plain_times, packed_times, spec_times = [], [], []
-    for _ in range(args.repeats):  # interleaved, so all methods see the same machine load
-        plain_out, t_plain = timed()
-        spec_out, t_spec = timed(assistant_model=draft)
-        plain_times.append(t_plain)
-        spec_times.append(t_spec)
-        if packing:
-            packed_times.append(timed(packed=True)[1])
+    # Three methods, interleaved so that all see the same machine load: plain decoding on stock kernels (what
+    # a user of plain generate() gets), plain decoding on the speculative run's kernels (so the kernels' own
+    # share of the speedup is separated from speculation's), and the speculative run.
+    methods = {"plain": ("stock", {}), "spec": (mode, {"assistant_model": draft})}
+    if mode != "stock":
+        methods["plain_same"] = (mode, {})
+    for kernels, extra in methods.values():  # warm-up (allocations, kernel build, SPS profile), not reported
+        timed(kernels, **extra)
+    times = {name: [] for name in methods}
+    outs = {}
+    for _ in range(args.repeats):
+        for name, (kernels, extra) in methods.items():
+            outs[name], elapsed = timed(kernels, **extra)
+            times[name].append(elapsed)
     stats = draft.last_generation_stats
-    new_plain = plain_out.shape[1] - inputs["input_ids"].shape[1]
-    new_spec = spec_out.shape[1] - inputs["input_ids"].shape[1]
-    reply = tokenizer.decode(spec_out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    plain_tps = new_plain / statistics.median(plain_times)
-    spec_tps = new_spec / statistics.median(spec_times)
+    prompt_len = inputs["input_ids"].shape[1]
+    tps = {name: (outs[name].shape[1] - prompt_len) / statistics.median(times[name]) for name in methods}
+    plain_out, spec_out = outs["plain"], outs["spec"]
+    reply = tokenizer.decode(spec_out[0, prompt_len:], skip_special_tokens=True)
+    plain_tps, spec_tps = tps["plain"], tps["spec"]
     print(f"\n{reply}\n")
     chosen = "the default for this draft" if args.policy is None else "--policy"
     print(f"policy: {policy.name} ({chosen}; {stats.policy})")
+    print(f"kernels: {mode} ({'--kernels' if args.kernels else 'the default'}; plain generate() below uses stock)")
     print(f"tau (tokens per target forward: accepted drafts + 1): {stats.tau:.2f} over {stats.num_rounds} rounds")
-    print(f"plain generate():       {plain_tps:7.1f} tokens/s (median of {args.repeats})")
-    if packing:
-        packed_tps = new_plain / statistics.median(packed_times)
-        print(f"plain, packed linears:  {packed_tps:7.1f} tokens/s (the CPU kernels speculation uses)")
-    print(f"speculative (DSpark):   {spec_tps:7.1f} tokens/s (median of {args.repeats})")
-    print(f"speedup: {spec_tps / plain_tps:.2f}x (measured in this run)")
-    if packing:
-        print(f"speculation alone (over plain decoding on the same packed kernels): {spec_tps / packed_tps:.2f}x")
+    print(f"plain generate(), stock kernels: {plain_tps:7.1f} tokens/s (median of {args.repeats})")
+    if "plain_same" in tps:
+        print(f"plain generate(), {mode} kernels: {tps['plain_same']:7.1f} tokens/s (the kernels speculation uses)")
+    print(f"speculative (DSpark), {mode} kernels: {spec_tps:7.1f} tokens/s (median of {args.repeats})")
+    print(f"speedup: {spec_tps / plain_tps:.2f}x over plain generate() on stock kernels (measured in this run)")
+    if "plain_same" in tps:
+        print(
+            f"speculation alone (over plain decoding on the same {mode} kernels): {spec_tps / tps['plain_same']:.2f}x"
+        )
     if not sample:
-        same = torch.equal(plain_out, spec_out)
-        print(f"greedy output identical to plain generate(): {'yes' if same else 'NO'}")
+        same_kernels = outs.get("plain_same", plain_out)
+        same = torch.equal(same_kernels, spec_out)
+        promise = "; by construction with exact kernels" if mode == "exact" else ""
+        print(
+            f"greedy output identical to plain generate(): {'yes' if same else 'NO'} "
+            f"(plain decoding on the same {mode} kernels{promise})"
+        )
+        if mode != "stock":
+            stock_same = torch.equal(plain_out, spec_out)
+            print(f"greedy output identical to plain generate() on stock kernels: {'yes' if stock_same else 'no'}")
         if not same:
             return 1
     return 0
