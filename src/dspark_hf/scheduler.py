@@ -303,6 +303,17 @@ class HardwareAwarePolicy(VerificationPolicy):
         sps = _sps_fn(self.sps, context)
         return hardware_aware_lengths(survival, sps, self.background_tokens + context.background_tokens)
 
+    def observe_round(self, context, rows, forward_tokens, rest_seconds, **kwargs) -> None:
+        _check_profile(self.sps, context, rows, forward_tokens + self.background_tokens, rest_seconds)
+
+
+def _check_profile(profile, context: ScheduleContext, rows: int, tokens: int, seconds: float) -> None:
+    """Report a single-request round's time to its SPS profile, which flags itself when they disagree."""
+    if profile is None:  # the profile generate() / the engine put in the context, if that is one
+        profile = getattr(context.sps, "__self__", None)
+    if rows == 1 and isinstance(profile, SPSProfile):
+        profile.observe(tokens, seconds)
+
 
 @dataclass
 class LaggedHardwareAwarePolicy(HardwareAwarePolicy):
@@ -425,6 +436,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if draft_seconds is not None:
             _remember(context.draft_seconds, rows, draft_seconds, self.window)
         _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
+        _check_profile(self.sps, context, rows, tokens, rest_seconds)
 
 
 def _remember(table: dict, key, value: float, window: int) -> None:
