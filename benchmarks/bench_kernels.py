@@ -71,7 +71,7 @@ def bench_forward(target, tokens: list[int], context: int, repeats: int) -> dict
                     start = time.perf_counter()
                     target(new[b], position_ids=positions, cache=cache, use_cache=True)
                     samples[mode][b].append(time.perf_counter() - start)
-                    cache.crop(context)
+                    cache.crop(-b)  # back to the shared context
     out = {}
     for mode in KERNEL_MODES:
         med = {b: statistics.median(samples[mode][b][1:]) for b in tokens}

@@ -9,8 +9,14 @@ policies choose (the scheduler's load response), and plots the measured SPS curv
 The figures only mean something with a *trained* draft (`--draft`); with the default fresh draft every
 drafted token is rejected and each policy only shows its overhead.
 
+With `--candidates` only the named policies run (besides plain decoding on stock kernels and on the run's
+kernels), `--kernels` picks the kernel mode (`dspark_hf.kernels`, default `exact`), `--temperature` samples
+(T > 0, seeded per run), and `--no-load-sweep` skips the load sweep and plots.
+
 Usage:
     python benchmarks/bench_policies.py [--draft PATH] [--repeats 3] [--max-new-tokens 64] [--threads 2]
+    python benchmarks/bench_policies.py --kernels exact --temperature 1 --no-load-sweep \
+        --candidates fixed hardware_aware hardware_aware_lagged hardware_aware_uniform --out-name policies_t1.json
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf.cpu_packing import packed_linears
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.kernels import use_kernels
+from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.sps import get_sps_profile
 
 PROMPTS = [
@@ -46,63 +52,92 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.2, 0.4, 0.6])
     parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--out-name", default="policies.json")
+    parser.add_argument("--kernels", default="exact", choices=("stock", "packed", "exact"))
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top-k/p off)")
+    parser.add_argument("--candidates", nargs="+", default=None, help="only these policies (default: all)")
+    parser.add_argument("--no-load-sweep", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     target, tok = load_default_target()
     draft, _ = load_draft(target, args.draft)
     gamma = draft.config.block_size
-    with packed_linears(target):  # the cost curve generate()'s verification forwards will have
+    with use_kernels(target, mode=args.kernels):  # the cost curve generate()'s verification forwards will have
         profile = get_sps_profile(target)
     inputs = [chat_inputs(tok, p)["input_ids"] for p in PROMPTS]
     policies: dict[str, object] = {f"fixed:{n}": f"fixed:{n}" for n in range(1, gamma + 1)}
     policies.update({f"threshold:{t}": f"threshold:{t}" for t in args.thresholds})
     policies["hardware_aware"] = HardwareAwarePolicy(sps=profile)
     policies["hardware_aware_lagged"] = LaggedHardwareAwarePolicy(sps=profile)
-    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    policies["hardware_aware_uniform"] = UniformHardwareAwarePolicy(sps=profile)
+    policies["fixed"] = "fixed"
+    if args.candidates:
+        unknown = set(args.candidates) - set(policies)
+        if unknown:
+            raise SystemExit(f"unknown --candidates {sorted(unknown)}; choose from {sorted(policies)}")
+        policies = {n: policies[n] for n in args.candidates}
+    sample = args.temperature > 0
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, pad_token_id=tok.eos_token_id)
+    if sample:
+        kw.update(temperature=args.temperature, top_k=0, top_p=1.0)
 
-    def run(ids, policy):
+    def run(ids, policy, kernels=args.kernels):
+        torch.manual_seed(0)
         start = time.perf_counter()
         if policy is None:
-            out = target.generate(ids, **kw)
+            out = target.generate(ids, dspark_kernels=kernels, **kw)
         else:
-            out = target.generate(ids, assistant_model=draft, dspark_policy=policy, **kw)
+            out = target.generate(ids, assistant_model=draft, dspark_policy=policy, dspark_kernels=kernels, **kw)
         elapsed = time.perf_counter() - start
         return (out.shape[1] - ids.shape[1]) / elapsed, (draft.last_generation_stats if policy is not None else None)
 
     run(inputs[0], None)  # warm-up
-    names = ["plain"] + list(policies)
+    run(inputs[0], None, "stock")
+    names = ["plain", "plain_stock"] + list(policies)
     tps: dict[str, list[float]] = {n: [] for n in names}
-    taus: dict[str, list[float]] = {n: [] for n in names[1:]}
-    verified: dict[str, list[float]] = {n: [] for n in names[1:]}
+    taus: dict[str, list[float]] = {n: [] for n in names[2:]}
+    verified: dict[str, list[float]] = {n: [] for n in names[2:]}
     for _ in range(args.repeats):
         for ids in inputs:
             for name in names:  # interleaved
-                rate, stats = run(ids, None if name == "plain" else policies[name])
+                if name == "plain_stock":
+                    rate, stats = run(ids, None, "stock")
+                else:
+                    rate, stats = run(ids, None if name == "plain" else policies[name])
                 tps[name].append(rate)
                 if stats is not None:
                     taus[name].append(stats.tau)
                     verified[name].append(stats.mean_verified)
     plain = statistics.median(tps["plain"])
+    plain_stock = statistics.median(tps["plain_stock"])
     rows = {
         n: {
             "tokens_per_s": statistics.median(tps[n]),
             "ratio_vs_plain": statistics.median(tps[n]) / plain,
+            "ratio_vs_plain_stock": statistics.median(tps[n]) / plain_stock,
             "tau": statistics.median(taus[n]) if n in taus else 1.0,
             "mean_verified": statistics.median(verified[n]) if n in verified else 0.0,
         }
         for n in names
     }
-    best_fixed = max((n for n in names if n.startswith("fixed")), key=lambda n: rows[n]["tokens_per_s"])
-    print(f"\nbatch 1, {args.threads} threads, medians over {args.repeats} repeats x {len(inputs)} prompts")
-    print(f"{'policy':24} {'tok/s':>8} {'vs plain':>9} {'tau':>6} {'verified':>9}")
+    fixed_names = [n for n in names if n.startswith("fixed")]
+    best_fixed = max(fixed_names, key=lambda n: rows[n]["tokens_per_s"]) if fixed_names else None
+    print(
+        f"\nbatch 1, {args.threads} threads, {args.kernels} kernels, T={args.temperature}, medians over "
+        f"{args.repeats} repeats x {len(inputs)} prompts ('plain' runs on the same kernels, 'plain_stock' on stock)"
+    )
+    print(f"{'policy':24} {'tok/s':>8} {'vs plain':>9} {'vs stock':>9} {'tau':>6} {'verified':>9}")
     for n, r in rows.items():
-        print(f"{n:24} {r['tokens_per_s']:8.2f} {r['ratio_vs_plain']:8.2f}x {r['tau']:6.2f} {r['mean_verified']:9.2f}")
+        print(
+            f"{n:24} {r['tokens_per_s']:8.2f} {r['ratio_vs_plain']:8.2f}x {r['ratio_vs_plain_stock']:8.2f}x "
+            f"{r['tau']:6.2f} {r['mean_verified']:9.2f}"
+        )
     print(f"best fixed: {best_fixed}")
 
     # load response: chosen verification length vs background tokens
     load_curve = {}
-    for cls in (HardwareAwarePolicy, LaggedHardwareAwarePolicy):
+    for cls in () if args.no_load_sweep else (HardwareAwarePolicy, LaggedHardwareAwarePolicy):
         lengths = []
         for load in LOADS:
             target.generate(
@@ -120,15 +155,20 @@ def main() -> None:
         "dspark_hf": dspark_hf.__version__,
         "draft": args.draft or "fresh (untrained)",
         "threads": args.threads,
+        "kernels": args.kernels,
+        "temperature": args.temperature,
         "sps_profile_seconds": profile.seconds,
         "policies": rows,
         "best_fixed": best_fixed,
         "background_loads": LOADS,
         "mean_verified_vs_load": load_curve,
     }
-    (out_dir / "policies.json").write_text(json.dumps(report, indent=2))
+    (out_dir / args.out_name).write_text(json.dumps(report, indent=2))
+    if args.no_load_sweep:
+        print(f"wrote {out_dir / args.out_name}")
+        return
     _plot(profile, load_curve, rows, out_dir)
-    print(f"wrote {out_dir / 'policies.json'}, sps_curve.png, load_response.png")
+    print(f"wrote {out_dir / args.out_name}, sps_curve.png, load_response.png")
 
 
 def _plot(profile, load_curve, rows, out_dir: Path) -> None:

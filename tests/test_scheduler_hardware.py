@@ -14,6 +14,7 @@ from dspark_hf.scheduler import (
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
     ScheduleContext,
+    UniformHardwareAwarePolicy,
     best_capacity,
     hardware_aware_lengths,
     resolve_policy,
@@ -147,7 +148,7 @@ def test_resolve_hardware_policies():
     assert resolve_policy("hardware_aware") == HardwareAwarePolicy()
     assert resolve_policy("hardware_aware:32") == HardwareAwarePolicy(background_tokens=32)
     assert resolve_policy("hardware_aware_lagged:8") == LaggedHardwareAwarePolicy(background_tokens=8)
-    assert resolve_policy(None, has_confidence=True, calibrated=True) == HardwareAwarePolicy()
+    assert resolve_policy(None, has_confidence=True, calibrated=True) == UniformHardwareAwarePolicy()
     assert resolve_policy(None, has_confidence=True, calibrated=False).name == "fixed"
     with pytest.raises(ValueError, match="needs the target's SPS profile"):
         HardwareAwarePolicy().choose_lengths(torch.tensor([[0.5]]))

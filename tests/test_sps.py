@@ -100,6 +100,7 @@ def test_a_profile_contradicted_by_live_rounds_is_flagged_and_then_remeasured(li
     target = _tiny()
     path = sps._cache_path(target, 16)
     sps._LOADED.pop(path, None)
+    sps._REMEASURED.discard(path)
     SPSProfile({1: 0.5, 8: 1.0}, _fresh_meta()).save(path)
     profile = get_sps_profile(target, context_length=16, token_counts=(1, 2), repeats=1, warmup=0)
     assert profile.seconds == {1: 0.5, 8: 1.0}
@@ -145,3 +146,23 @@ def test_dspark_generate_has_a_refresh_flag():
     args = cli.build_parser().parse_args(["generate", "--refresh-sps", "--kernels", "exact"])
     assert args.refresh_sps and args.kernels == "exact"
     assert not cli.build_parser().parse_args(["generate"]).refresh_sps
+
+
+def test_a_profile_contradicted_again_after_remeasuring_is_kept():
+    """Live rounds of a tiny model are mostly overhead: re-measuring on every call would cost more than it tells."""
+    target = _tiny()
+    path = sps._cache_path(target, 16)
+    sps._LOADED.pop(path, None)
+    sps._REMEASURED.discard(path)
+    kw = {"context_length": 16, "token_counts": (1, 2), "repeats": 1, "warmup": 0}
+    first = get_sps_profile(target, **kw)
+    with pytest.warns(UserWarning, match="disagrees"):
+        for _ in range(sps.LIVE_MIN_ROUNDS):
+            first.observe(1, first.time(1) * 10)
+    second = get_sps_profile(target, **kw)
+    assert second is not first  # re-measured once
+    with pytest.warns(UserWarning, match="disagrees"):
+        for _ in range(sps.LIVE_MIN_ROUNDS):
+            second.observe(1, second.time(1) * 10)
+    assert get_sps_profile(target, **kw) is second  # contradicted again: kept
+    assert get_sps_profile(target, refresh=True, **kw) is not second  # an explicit refresh still measures

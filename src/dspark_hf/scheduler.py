@@ -475,13 +475,15 @@ def resolve_policy(
     `"hardware_aware_uniform:32"`.
 
     Args:
-        spec: the policy, its string form, or `None` for the default: `hardware_aware` when the draft has a
-            calibrated confidence head, otherwise `fixed` (the whole block).
+        spec: the policy, its string form, or `None` for the default: `hardware_aware_uniform` when the draft
+            has a calibrated confidence head, otherwise `fixed` (the whole block). Both decide before drafting
+            whether a round drafts at all, so the default never pays for a draft it then declines (Algorithm 1,
+            `hardware_aware`, decides after drafting); measured in `benchmarks/bench_policies.py`.
         has_confidence (`bool`): whether the draft has a confidence head; all but `fixed` need one.
         calibrated (`bool`): whether the confidence head has been calibrated (STS).
     """
     if spec is None:
-        return HardwareAwarePolicy() if has_confidence and calibrated else FixedPolicy()
+        return UniformHardwareAwarePolicy() if has_confidence and calibrated else FixedPolicy()
     if isinstance(spec, VerificationPolicy):
         policy = spec
     elif isinstance(spec, str):

@@ -1,0 +1,51 @@
+"""The default policy for a calibrated draft never pays for a draft it then declines.
+
+Setting: verification is expensive (every token costs a whole forward), so no verified length pays for the
+draft. The default policy must then skip drafting (a round that drafts verifies at least one token), while
+Algorithm 1 (`hardware_aware`, which decides after drafting) drafts and declines: the negative control that
+shows the check can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_hf import sps
+from dspark_hf.scheduler import UniformHardwareAwarePolicy, resolve_policy
+
+from helpers import make_aligned_draft, make_target
+
+STEEP = {1: 0.1, 2: 0.2, 64: 6.4}  # each verified token costs a full forward
+
+
+def _run(monkeypatch, policy):
+    monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
+    target = make_target("llama", markov=True)
+    draft = make_aligned_draft(target, block_size=5)
+    draft.config.confidence_calibrated = True  # the default then is the hardware-aware default
+    prompt = torch.tensor([[5, 17, 3, 9]])
+    out = target.generate(prompt, assistant_model=draft, dspark_policy=policy, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))  # lossless either way
+    return draft.last_generation_stats
+
+
+def declined_drafts(stats) -> int:
+    return sum(1 for r in stats.rounds if r.drafted and r.verified == 0)
+
+
+def test_default_policy_for_a_calibrated_draft_never_drafts_in_vain(monkeypatch):
+    assert isinstance(resolve_policy(None, has_confidence=True, calibrated=True), UniformHardwareAwarePolicy)
+    stats = _run(monkeypatch, None)
+    assert "Uniform" in stats.policy and stats.num_rounds > 5
+    assert declined_drafts(stats) == 0
+
+
+def test_algorithm_1_pays_for_declined_drafts_in_the_same_setting(monkeypatch):
+    stats = _run(monkeypatch, "hardware_aware")
+    assert declined_drafts(stats) > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "fixed:2"])
+def test_fixed_policies_never_decline(monkeypatch, policy):
+    assert declined_drafts(_run(monkeypatch, policy)) == 0
