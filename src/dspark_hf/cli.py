@@ -45,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from .commands._common import UserError
+    from .extras import MissingExtraError
 
     module = importlib.import_module(f"dspark_hf.commands.{COMMANDS[args.command][0]}")
     try:
         return module.main(args) or 0
-    except UserError as err:  # a mistake on the command line: one line, no traceback
+    except (UserError, MissingExtraError) as err:  # a mistake on the command line or a missing extra: one line
         print(f"dspark {args.command}: error: {err}", file=sys.stderr)
         return 2
 
