@@ -37,9 +37,9 @@ def install_hint(extra: str) -> str:
 
 
 def missing(package: str, extra: str, purpose: str | None = None) -> MissingExtraError:
-    """A [`MissingExtraError`] (an `ImportError`) saying that `package` is needed for `purpose` and which extra installs it."""
+    """A [`MissingExtraError`] (an `ImportError`): `package` is needed for `purpose`; which extra installs it."""
     purpose = purpose or EXTRAS.get(extra, "this feature")
-    return ImportError(
+    return MissingExtraError(
         f"{package} is needed for {purpose} but is not installed. Install the {extra!r} extra: " + install_hint(extra)
     )
 
