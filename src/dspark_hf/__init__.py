@@ -15,13 +15,14 @@ __version__ = "0.1.0"
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration import DSparkConfig, default_target_layer_ids
-from .convert import export_deepspec, load_deepspec_checkpoint
-from .cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
-from .engine import DSparkEngine, RequestOutput, SamplingParams
-from .generation import DSparkCandidateGenerator, install_generate_hook
-from .modeling import DSparkDraftModel, DSparkOutput
-from .scheduler import (
+from .decoding.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
+from .decoding.engine import DSparkEngine, RequestOutput, SamplingParams
+from .decoding.generation import DSparkCandidateGenerator, install_generate_hook
+from .decoding.stats import GenerationStats, RoundStats
+from .model.configuration import DSparkConfig, default_target_layer_ids
+from .model.formats import export_deepspec, load_deepspec_checkpoint
+from .model.modeling import DSparkDraftModel, DSparkOutput
+from .scheduling.policies import (
     FixedPolicy,
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
@@ -30,8 +31,7 @@ from .scheduler import (
     VerificationPolicy,
     resolve_policy,
 )
-from .sps import SPSProfile, get_sps_profile, profile_sps
-from .stats import GenerationStats, RoundStats
+from .scheduling.sps import SPSProfile, get_sps_profile, profile_sps
 
 AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)

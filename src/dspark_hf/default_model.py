@@ -167,7 +167,7 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
     """
     import torch
 
-    from .modeling import DSparkDraftModel
+    from .model.modeling import DSparkDraftModel
 
     if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
         draft = DEFAULT_DRAFT

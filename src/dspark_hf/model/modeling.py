@@ -11,7 +11,7 @@ Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target
    through the draft layers, attending to the cached context and bidirectionally within the block.
    After the final norm, the target's LM head gives the base logits `U_1..U_γ`.
 4. The sequential head adds `B_k(x_{k-1})` to `U_k` while tokens are sampled left to right, and the
-   confidence head scores each position (see `dspark_hf.generation`).
+   confidence head scores each position (see `dspark_hf.decoding.generation`).
 
 At inference the draft may propose from a vocabulary subset `S` only (`set_draft_vocab`, FR-Spec style):
 `draft_logits` then computes `U` for the `K` ids of `S`, the sequential head's bias likewise, and
@@ -237,7 +237,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         k = config.draft_vocab_size
         self.register_buffer("draft_vocab_ids", None if k is None else torch.full((k,), -1, dtype=torch.long))
         self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
-        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduler
+        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduling.policies
         self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
         self.last_generation_stats = None
         self.post_init()
@@ -255,7 +255,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(
                 f"draft_vocab_size={config_overrides['draft_vocab_size']!r} cannot be set through from_target: a "
                 "subset needs its ids, not just their count. Create the draft, then call `draft.set_draft_vocab(ids)` "
-                "(e.g. ids from `dspark_hf.vocab.frequent_token_ids`)."
+                "(e.g. ids from `dspark_hf.model.vocab.frequent_token_ids`)."
             )
         config = DSparkConfig.from_target(target, **config_overrides)
         draft = cls(config).to(device=target.device, dtype=target.dtype)
@@ -270,14 +270,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Pickle checkpoints (`pytorch_model.bin`) are refused. For a Hub repo id, a missing repo or revision
         raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.hub`).
         """
-        from .convert import is_deepspec_checkpoint, load_deepspec_checkpoint
+        from .formats import is_deepspec_checkpoint, load_deepspec_checkpoint
 
         path = os.fspath(pretrained_model_name_or_path)
         _refuse_pickle(path)
         if os.path.isdir(path):
             deepspec = is_deepspec_checkpoint(path)
         else:  # a Hub id
-            from .hub import is_deepspec_repo
+            from ..hub import is_deepspec_repo
 
             deepspec = is_deepspec_repo(path, **kwargs)
         if deepspec:
@@ -314,7 +314,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Returns:
             `huggingface_hub.CommitInfo`
         """
-        from .hub import push_draft
+        from ..hub import push_draft
 
         return push_draft(self, repo_id, format=format, **kwargs)
 
@@ -376,7 +376,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Args:
             token_ids (`Sequence[int]`, `torch.LongTensor` or `None`): unique ids in `[0, vocab_size)`, at
-                least one; stored sorted. Pick them with [`dspark_hf.vocab.frequent_token_ids`], and include
+                least one; stored sorted. Pick them with [`dspark_hf.model.vocab.frequent_token_ids`], and include
                 the EOS / end-of-turn tokens. `None` restores the full vocabulary.
 
         Returns:
