@@ -1,4 +1,4 @@
-"""Packed CPU linears (`dspark_hf.decoding.cpu_packing`): same function, used only where intended, always restored."""
+"""Packed CPU linears (`dspark_hf.model.cpu_packing`): same function, used only where intended, always restored."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 import dspark_hf
 from dspark_hf.decoding import cpu_packing
-from dspark_hf.decoding.cpu_packing import (
+from dspark_hf.model.cpu_packing import (
     cpu_packing_enabled,
     is_packed,
     pack_linear_weights,

@@ -125,7 +125,7 @@ def _send(page, prompt: str) -> dict:
 
 
 def test_demo_in_a_browser(served, page):
-    from dspark_hf.decoding.cpu_packing import packed_linears
+    from dspark_hf.model.cpu_packing import packed_linears
     from dspark_hf.scheduling.policies import hardware_aware_lengths
     from dspark_hf.scheduling.sps import get_sps_profile
 

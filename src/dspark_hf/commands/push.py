@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from dspark_hf import DSparkDraftModel
-    from dspark_hf.hub import push_draft
+    from dspark_hf.model.hub import push_draft
 
     draft = DSparkDraftModel.from_pretrained(args.draft)
     target = None

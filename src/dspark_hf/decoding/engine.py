@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.cpu_packing import cpu_packing_enabled, packed_linears
 from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
-from .cpu_packing import cpu_packing_enabled, packed_linears
 from .engine_batch import (
     LAYOUTS,
     KVStore,
@@ -200,7 +200,7 @@ class DSparkEngine:
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
         cpu_packing (`bool`, *optional*): run the target's and draft's CPU linears on packed weights (see
-            `dspark_hf.decoding.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
+            `dspark_hf.model.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
     """
 
     def __init__(

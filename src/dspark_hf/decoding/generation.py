@@ -33,9 +33,9 @@ from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..model.compat import check_target_compatibility
+from ..model.cpu_packing import packed_linears
 from ..model.modeling import DSparkCache, DSparkDraftModel
 from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
-from .cpu_packing import packed_linears
 from .stats import GenerationStats, RoundStats
 
 # Selecting hidden states by index (unselected ones come back as None) saves memory; older releases only
@@ -393,7 +393,7 @@ def install_generate_hook() -> None:
         draft._call_policy = kwargs.pop("dspark_policy", None)
         try:
             # On a CPU, the target's and the draft's linears run on packed weights for this call, so that
-            # verifying k tokens costs about what one token does (see dspark_hf.decoding.cpu_packing).
+            # verifying k tokens costs about what one token does (see dspark_hf.model.cpu_packing).
             with packed_linears(self, draft):
                 return original_generate(self, *args, **kwargs)
         finally:

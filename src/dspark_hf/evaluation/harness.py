@@ -27,7 +27,7 @@ from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
 
 PLAIN = "plain"
 PROMPT_LOOKUP = "prompt_lookup"
-#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.decoding.cpu_packing`): the same
+#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.model.cpu_packing`): the same
 #: kernels speculative decoding uses, so `speedup_vs_packed` isolates what speculation itself adds.
 PLAIN_PACKED = "plain_packed"
 #: Sets with a task metric: GSM8K answer accuracy and HumanEval pass@1.
@@ -578,7 +578,7 @@ def evaluate_drafts(
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
         packed_baseline (`bool`, *optional*): also time plain `generate()` with the target's linears packed
-            (`"plain_packed"`, see `dspark_hf.decoding.cpu_packing`). Defaults to whether speculative decoding packs
+            (`"plain_packed"`, see `dspark_hf.model.cpu_packing`). Defaults to whether speculative decoding packs
             them here (on a CPU with packing enabled).
         task_metrics (`bool`, *optional*, defaults to `True`): score GSM8K / HumanEval replies.
         prompts (`Mapping[str, Sequence[PromptItem]]`, *optional*): use these prompts instead of loading `sets`.
@@ -590,8 +590,8 @@ def evaluate_drafts(
     import torch
     from tqdm.auto import tqdm
 
-    from ..decoding.cpu_packing import cpu_packing_enabled, packed_linears
     from ..default_model import chat_inputs
+    from ..model.cpu_packing import cpu_packing_enabled, packed_linears
 
     reserved = {PLAIN, PROMPT_LOOKUP, PLAIN_PACKED} & set(drafts)
     if not drafts or reserved:
