@@ -1,4 +1,4 @@
-"""What packed CPU linears (`dspark_hf.decoding.cpu_packing`) change: the verification cost curve and plain decoding.
+"""What packed CPU linears (`dspark_hf.model.cpu_packing`) change: the verification cost curve and plain decoding.
 
 Three measurements on the default target (SmolLM2-135M-Instruct, fp32), stock kernels vs packed weights,
 interleaved within every repeat so both see the same machine load; medians over repeats:
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_hf.decoding import cpu_packing
-from dspark_hf.decoding.cpu_packing import packed_linears
+from dspark_hf.model.cpu_packing import packed_linears
 from dspark_hf.default_model import chat_inputs, load_default_target
 
 PROMPTS = ["Explain why the sky is blue.", "Write a Python function that reverses a string.", "What is 17 times 23?"]
