@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf.model.cpu_packing import packed_linears
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
+from dspark_hf.model.cpu_packing import packed_linears
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.scheduling.sps import get_sps_profile
 

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 import dspark_hf
-from dspark_hf.decoding import cpu_packing
+from dspark_hf.model import cpu_packing
 from dspark_hf.model.cpu_packing import (
     cpu_packing_enabled,
     is_packed,
