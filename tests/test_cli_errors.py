@@ -153,7 +153,7 @@ def test_suite_never_touches_the_user_cache_folder(user_cache_folder):
     assert ours != user_cache_folder
     assert user_cache_folder not in ours.parents
     assert Path(os.environ["HF_HOME"]).resolve().parent == ours.parent
-    from dspark_hf import sps
+    from dspark_hf.scheduling import sps
 
     # the SPS timing profiles are the cache that once poisoned a test (measured under load, kept for good)
     path = sps._cache_path(make_chat_target(), 256).resolve()

@@ -125,9 +125,9 @@ def _send(page, prompt: str) -> dict:
 
 
 def test_demo_in_a_browser(served, page):
-    from dspark_hf.cpu_packing import packed_linears
-    from dspark_hf.scheduler import hardware_aware_lengths
-    from dspark_hf.sps import get_sps_profile
+    from dspark_hf.model.cpu_packing import packed_linears
+    from dspark_hf.scheduling.policies import hardware_aware_lengths
+    from dspark_hf.scheduling.sps import get_sps_profile
 
     _, target, draft, fresh = served
     assert page.locator("#dspark-fresh-note").is_visible() == fresh

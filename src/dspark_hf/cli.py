@@ -28,7 +28,7 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for Hugging Face models.")
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"dspark-hf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

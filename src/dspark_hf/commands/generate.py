@@ -50,10 +50,10 @@ def main(args: argparse.Namespace) -> int:
     import transformers
     from transformers import GenerationConfig
 
-    from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
     from dspark_hf.default_model import SHIPPED_DRAFTS, chat_inputs, load_draft, load_target
-    from dspark_hf.evaluation import synchronize
-    from dspark_hf.scheduler import resolve_policy
+    from dspark_hf.evaluation.harness import synchronize
+    from dspark_hf.model.cpu_packing import cpu_packing_enabled, packed_linears
+    from dspark_hf.scheduling.policies import resolve_policy
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UserError("--repeats and --max-new-tokens must be >= 1")
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
         synchronize(out.device)  # a GPU runs asynchronously: count the work, not just its launch
         return out, time.perf_counter() - start
 
-    # On a CPU speculative decoding runs the linears on packed weights (dspark_hf.cpu_packing); plain decoding
+    # On a CPU speculative decoding runs the linears on packed weights (dspark_hf.model.cpu_packing); plain decoding
     # on the same kernels is timed too, so the printout separates the kernels' share from speculation's.
     packing = cpu_packing_enabled() and target.device.type == "cpu"
     timed(), timed(assistant_model=draft)  # warm-up (allocations, weight packing, SPS profile), not reported
