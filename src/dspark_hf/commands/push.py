@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from dspark_hf import DSparkDraftModel
-    from dspark_hf.hub import push_draft
+    from dspark_hf.model.hub import push_draft
 
     model_source(args.draft, "draft")
     model_source(args.target, "--target")

@@ -1,4 +1,4 @@
-// Batch-invariant CPU kernels for dspark_hf's "exact" kernel mode (see dspark_hf/kernels.py).
+// Batch-invariant CPU kernels for dspark_hf's "exact" kernel mode (see dspark_hf/model/kernels.py).
 //
 // Every output element is computed by one fixed sequence of floating-point operations that depends only on
 // the inputs of its own row (and, for attention, on the keys that row may see), never on how many rows are

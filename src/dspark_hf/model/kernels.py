@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._paths import cache_dir
 from .cpu_packing import cpu_packing_enabled, is_packed, packed_linears, packing_available
-from .paths import cache_dir
 
 KERNEL_MODES = ("stock", "packed", "exact")
 
@@ -63,7 +63,7 @@ def _check_mode(mode: str) -> str:
     if mode not in KERNEL_MODES:
         raise ValueError(
             f"Unknown kernel mode {mode!r}; choose one of {', '.join(repr(m) for m in KERNEL_MODES)} "
-            "(see dspark_hf.kernels)."
+            "(see dspark_hf.model.kernels)."
         )
     return mode
 

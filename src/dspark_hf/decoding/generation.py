@@ -32,10 +32,10 @@ from packaging import version
 from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .compat import check_target_compatibility
-from .kernels import default_kernels, explicit_kernels, use_kernels
-from .modeling import DSparkCache, DSparkDraftModel
-from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
+from ..model.compat import check_target_compatibility
+from ..model.kernels import default_kernels, explicit_kernels, use_kernels
+from ..model.modeling import DSparkCache, DSparkDraftModel
+from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
 
 # Selecting hidden states by index (unselected ones come back as None) saves memory; older releases only
@@ -98,7 +98,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
-            from .sps import get_sps_profile
+            from ..scheduling.sps import get_sps_profile
 
             self.schedule_context.sps = get_sps_profile(target).sps
         layers = [i + 1 for i in self.config.target_layer_ids]
@@ -383,7 +383,7 @@ def install_generate_hook() -> None:
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
         draft = kwargs.get("assistant_model")
-        # `dspark_kernels=` ("stock" / "packed" / "exact", see dspark_hf.kernels) applies to plain and speculative
+        # `dspark_kernels=` ("stock" / "packed" / "exact", see dspark_hf.model.kernels) applies to plain and speculative
         # calls alike, so both can run on the same kernels; without it, a mode set with set_kernels() does.
         kernels = kwargs.pop("dspark_kernels", None)
         if not isinstance(draft, DSparkDraftModel):
@@ -400,7 +400,7 @@ def install_generate_hook() -> None:
         draft._call_policy = kwargs.pop("dspark_policy", None)
         try:
             # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
-            # verifying k tokens cost about what one token does (see dspark_hf.kernels).
+            # verifying k tokens cost about what one token does (see dspark_hf.model.kernels).
             with use_kernels(self, draft, mode=kernels or default_kernels()):
                 return original_generate(self, *args, **kwargs)
         finally:

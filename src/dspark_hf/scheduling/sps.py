@@ -12,7 +12,7 @@ A measurement taken on a busy machine must not steer the scheduler for good, so:
   what is left with [`monotone_fit`] (a forward over more tokens never costs less: load only slows a
   forward down, so the lower envelope is kept);
 - [`get_sps_profile`] caches profiles on disk keyed by model, device, dtype, thread count, kernel mode
-  (`dspark_hf.kernels`) and a power-of-two context bucket, and re-measures one that is stale: older than
+  (`dspark_hf.model.kernels`) and a power-of-two context bucket, and re-measures one that is stale: older than
   `max_age`, measured with another torch or transformers version, in an older format, or flagged
   inconsistent;
 - the hardware-aware policies report live round times ([`SPSProfile.observe`]); when they disagree with the
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .paths import cache_dir
+from .._paths import cache_dir
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -223,7 +223,7 @@ def profile_sps(
     """
     from transformers import DynamicCache
 
-    from .kernels import kernels_of
+    from ..model.kernels import kernels_of
 
     device = target.device
     vocab = target.config.get_text_config().vocab_size
@@ -273,8 +273,8 @@ def _cache_path(target, context_length: int) -> Path:
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
-    # packed or exact kernels (dspark_hf.kernels) change the cost curve's shape: a separate profile per mode
-    from .kernels import kernels_of
+    # packed or exact kernels (dspark_hf.model.kernels) change the cost curve's shape: a separate profile per mode
+    from ..model.kernels import kernels_of
 
     mode = kernels_of(target)
     kernels = "" if mode == "stock" else f"-{mode}"
