@@ -73,7 +73,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         target (`PreTrainedModel`): the model being generated from.
         generation_config (`GenerationConfig`): the call's generation config. The verification policy (a
             policy object or string, see [`resolve_policy`]) is, by precedence: `generate(dspark_policy=...)`,
-            `generation_config.dspark_policy`, `draft.policy`, then `"hardware_aware"` for a draft with a
+            `generation_config.dspark_policy`, `draft.policy`, then `"hardware_aware_uniform"` for a draft with a
             calibrated confidence head and `"fixed"` otherwise.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
