@@ -37,34 +37,8 @@ from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
 from .vocab import SubsetRows, validate_vocab_ids
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as in Llama/Qwen), scaled by a learned weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (rotate-half convention) of `x` `[B, H, T, hd]` at `positions` `[B, T]`."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    half = head_dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class DSparkCache:
@@ -90,81 +64,6 @@ class DSparkCache:
         return keys, values
 
 
-class DSparkAttention(nn.Module):
-    """Attention whose queries come from the block and whose keys/values cover `[context ; block]`."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.rope_theta = config.rope_theta
-        d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
-
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values of context features `[B, T, d]` at absolute `positions`."""
-        keys = self.k_norm(self._split(self.k_proj(context), self.num_kv_heads))
-        values = self._split(self.v_proj(context), self.num_kv_heads)
-        return apply_rotary(keys, positions, self.rope_theta), values
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        ctx_keys: torch.Tensor,
-        ctx_values: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        queries = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.num_heads)), positions, self.rope_theta)
-        blk_keys, blk_values = self.context_kv(x, positions)
-        keys = torch.cat([ctx_keys, blk_keys], dim=-2)
-        values = torch.cat([ctx_values, blk_values], dim=-2)
-        if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(repeat, dim=1)
-            values = values.repeat_interleave(repeat, dim=1)
-        # No causal mask: the block is bidirectional and sees all (already position-filtered) context.
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-
-
-class DSparkMLP(nn.Module):
-    """SwiGLU feed-forward block."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DSparkDecoderLayer(nn.Module):
-    """Pre-norm decoder layer (Qwen3 style: RMSNorm on queries and keys) with context KV injection."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.self_attn = DSparkAttention(config)
-        self.mlp = DSparkMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, positions, ctx_keys, ctx_values, attention_mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, ctx_values, attention_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 @dataclass
 class DSparkOutput(ModelOutput):
     """Output of [`DSparkDraftModel.forward`] (teacher-forced blocks).
@@ -188,7 +87,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
     base_model_prefix = "dspark"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["DSparkDecoderLayer"]
+    _no_split_modules = ["DSparkDecoderLayer", "Gemma4DecoderLayer"]
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -198,7 +97,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, (RMSNorm, GemmaRMSNorm)) and module.weight is not None:
             nn.init.ones_(module.weight)
 
 
@@ -220,9 +119,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.hidden_norm = final_norm(config)
+        self.layers = build_layers(config)
+        self.norm = final_norm(config)
         head_cls = SEQUENTIAL_HEAD_CLASSES.get(config.sequential_head)
         self.markov_head = head_cls(config) if head_cls is not None else None
         self.confidence_head = ConfidenceHead(config) if config.confidence_head else None
@@ -330,6 +229,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 "target such as one loaded with AutoModelForCausalLM."
             )
         self._bound = (embed, head, target)
+        recorded = self.config.target_weights_fingerprint
+        if recorded:
+            from .fingerprint import warn_if_target_differs
+
+            warn_if_target_differs(recorded, embed, head, target)
         return self
 
     @property
@@ -356,10 +260,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self._require_bound()[0](input_ids).to(self.dtype)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's (frozen) LM head applied to draft hidden states; logits in at least fp32."""
+        """The target's (frozen) LM head applied to draft hidden states; logits in at least fp32.
+
+        With `config.final_logit_softcapping` (Gemma) the logits are soft-capped as the target caps its own.
+        """
         head = self._require_bound()[1]
         logits = head(hidden.to(head.weight.dtype))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ------------------------------------------------------------------ draft vocabulary subset (inference)
     def set_draft_vocab(self, token_ids) -> DSparkDraftModel:
@@ -406,7 +317,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         weight = self._head_rows(head.weight, ids)
         bias = self._head_bias_rows(head.bias, ids) if head.bias is not None else None
         logits = F.linear(hidden.to(weight.dtype), weight, bias)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits `[..., K]` → full-vocabulary logits `[..., V]`, `-inf` outside the subset.
