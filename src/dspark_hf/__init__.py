@@ -22,6 +22,7 @@ from .engine import DSparkEngine, RequestOutput, SamplingParams
 from .generation import DSparkCandidateGenerator, install_generate_hook
 from .modeling import DSparkDraftModel, DSparkOutput
 from .scheduler import (
+    ConfidenceThresholdPolicy,
     FixedPolicy,
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
@@ -52,6 +53,7 @@ __all__ = [
     "RoundStats",
     "SamplingParams",
     "ThresholdPolicy",
+    "ConfidenceThresholdPolicy",
     "UniformHardwareAwarePolicy",
     "VerificationPolicy",
     "default_target_layer_ids",
