@@ -400,6 +400,8 @@ class DSparkConfig(PreTrainedConfig):
             "target_vocab_size": tcfg.vocab_size,
             "target_num_hidden_layers": tcfg.num_hidden_layers,
         }
+        if "rope_theta" in overrides and "rope_parameters" not in overrides:  # a new base, same rotary type
+            fields["rope_parameters"] = {**rope, "rope_theta": float(overrides["rope_theta"])}
         fields.update(overrides)
         return cls(**fields)
 
