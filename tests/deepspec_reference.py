@@ -1,5 +1,8 @@
 """An independent restatement of DeepSpec's draft models, for checking import and export against them.
 
+(speculators' DSpark draft is the same model as DeepSpec's Qwen3 draft; `reference_forward` reads its folder too:
+the logits then cover the checkpoint's draft vocabulary, the rows of its `lm_head`.)
+
 Two parts, both written from DeepSpec's code (`deepspec/modeling/dspark/{qwen3,gemma4}/`), not from
 `dspark_hf.modeling`:
 
@@ -149,6 +152,11 @@ def reference_forward(folder, features, block_ids, prev_ids, rope_override: dict
         rope_override, act: replace the config's rotary / activation (negative controls only).
     """
     raw = json.load(open(os.path.join(folder, "config.json")))
+    if "speculators_model_type" in raw:  # speculators: the layers' config is nested, the heads' fields top-level
+        layer = raw["transformer_layer_config"]
+        raw = {**layer, **{k: v for k, v in raw.items() if k != "transformer_layer_config"}}
+        raw["num_hidden_layers"] = layer["num_hidden_layers"]
+        raw["model_type"] = layer.get("model_type", "qwen3")
     gemma = raw["architectures"] == ["Gemma4DSparkModel"]
     fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version")}
     cfg = AutoConfig.for_model(raw["model_type"], **fields)
@@ -166,9 +174,7 @@ def reference_forward(folder, features, block_ids, prev_ids, rope_override: dict
         scaling, k_eq_v = hd**-0.5, False
         act_fn = ACT2FN[act or cfg.hidden_act]
     if rope_override is not None:
-        cfg.rope_parameters = (
-            {**cfg.rope_parameters, "full_attention": rope_override} if gemma else dict(rope_override)
-        )
+        cfg.rope_parameters = {**cfg.rope_parameters, "full_attention": rope_override} if gemma else dict(rope_override)
     features, block_ids, prev_ids = features.float(), block_ids, prev_ids
     T, S = features.shape[1], block_ids.shape[1]
     positions = torch.arange(T + S)[None]

@@ -31,6 +31,7 @@ from .scheduler import (
     VerificationPolicy,
     resolve_policy,
 )
+from .speculators_format import export_speculators, load_speculators_checkpoint
 from .sps import SPSProfile, get_sps_profile, profile_sps
 from .stats import GenerationStats, RoundStats
 
@@ -58,9 +59,11 @@ __all__ = [
     "VerificationPolicy",
     "default_target_layer_ids",
     "export_deepspec",
+    "export_speculators",
     "get_sps_profile",
     "profile_sps",
     "load_deepspec_checkpoint",
+    "load_speculators_checkpoint",
     "pack_linear_weights",
     "packed_linears",
     "resolve_policy",

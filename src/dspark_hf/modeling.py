@@ -165,22 +165,22 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
         """Load a draft (safetensors only) and optionally bind it to `target`.
 
-        Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]`) are converted on the fly.
+        Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]` or `["Gemma4DSparkModel"]`)
+        and in the speculators format (`"speculators_model_type": "dspark"`) are converted on the fly.
         Pickle checkpoints (`pytorch_model.bin`) are refused. For a Hub repo id, a missing repo or revision
         raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.hub`).
         """
-        from .convert import is_deepspec_checkpoint, load_deepspec_checkpoint
+        from .convert import load_deepspec_checkpoint
+        from .hub import checkpoint_format
+        from .speculators_format import load_speculators_checkpoint
 
         path = os.fspath(pretrained_model_name_or_path)
         _refuse_pickle(path)
-        if os.path.isdir(path):
-            deepspec = is_deepspec_checkpoint(path)
-        else:  # a Hub id
-            from .hub import is_deepspec_repo
-
-            deepspec = is_deepspec_repo(path, **kwargs)
-        if deepspec:
+        fmt = checkpoint_format(path, **kwargs)
+        if fmt == "deepspec":
             draft = load_deepspec_checkpoint(path, **kwargs)
+        elif fmt == "speculators":
+            draft = load_speculators_checkpoint(path, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
             want_info = kwargs.pop("output_loading_info", False)
