@@ -223,7 +223,9 @@ def test_gemma4_export_import_round_trip(tmp_path, k_eq_v):
     export_deepspec(draft, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["architectures"] == ["Gemma4DSparkModel"] and written["model_type"] == "gemma4_text"
-    assert written["global_head_dim"] == 16 and written["rope_parameters"]["full_attention"]["rope_type"] == "proportional"
+    assert (
+        written["global_head_dim"] == 16 and written["rope_parameters"]["full_attention"]["rope_type"] == "proportional"
+    )
     loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
     inputs = block_inputs(draft)
     for a, b in zip(ours(draft, *inputs), ours(loaded, *inputs)):
@@ -305,3 +307,18 @@ def test_fingerprint_warns_for_another_target_and_not_for_the_right_one(tmp_path
         warnings.simplefilter("always")
         reloaded.bind_target(right)
     assert _fingerprint_warnings(record) == []
+
+
+# ---------------------------------------------------------------------- the format page lists every field
+def test_deepspec_format_page_lists_every_config_field(tmp_path):
+    """Every field of a DeepSpec Qwen3 / Gemma4 draft config appears on docs/deepspec-format.md."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "deepspec-format.md").read_text(encoding="utf-8")
+    fields = set()
+    for target in (_qwen3_target("yarn"), make_gemma4_target()):
+        fields |= set(write_deepspec_checkpoint(tmp_path / type(target).__name__, target, target_layer_ids=[1, 3]))
+    fields |= {"rope_theta", "rope_scaling", "partial_rotary_factor", "per_layer_config", "_name_or_path"}
+    fields |= {"target_name_or_path", "dspark_calibration_temperatures", "dspark_confidence_calibrated", "dtype"}
+    missing = sorted(f for f in fields if f"`{f}`" not in page)
+    assert not missing, f"fields not documented on docs/deepspec-format.md: {missing}"
