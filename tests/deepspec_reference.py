@@ -4,7 +4,7 @@
 the logits then cover the checkpoint's draft vocabulary, the rows of its `lm_head`.)
 
 Two parts, both written from DeepSpec's code (`deepspec/modeling/dspark/{qwen3,gemma4}/`), not from
-`dspark_hf.modeling`:
+`dspark_hf.model.modeling`:
 
 * `write_deepspec_checkpoint`: a checkpoint in DeepSpec's layout, the way DeepSpec's `build_draft_config`
   makes it (a deep copy of the target's text config plus the DSpark fields, `architectures`

@@ -1,4 +1,4 @@
-"""Packed CPU linears (`dspark_hf.cpu_packing`): same function, used only where intended, always restored."""
+"""Packed CPU linears (`dspark_hf.model.cpu_packing`): same function, used only where intended, always restored."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 from transformers import GenerationConfig
 
 import dspark_hf
-from dspark_hf import cpu_packing
-from dspark_hf.cpu_packing import (
+from dspark_hf.model import cpu_packing
+from dspark_hf.model.cpu_packing import (
     cpu_packing_enabled,
     is_packed,
     pack_linear_weights,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf.scheduler import (
+from dspark_hf.scheduling.policies import (
     ConfidenceThresholdPolicy,
     FixedPolicy,
     ThresholdPolicy,

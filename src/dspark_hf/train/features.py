@@ -28,7 +28,7 @@ import torch
 import transformers
 from packaging import version
 
-from ..configuration import hidden_state_indices
+from ..model.configuration import hidden_state_indices
 from .data import TokenDataset
 
 # transformers >= 5.23 returns only the requested hidden states (the others as None), which saves memory.

@@ -33,8 +33,8 @@ import torch
 from safetensors.torch import save_file
 
 from .configuration import DSparkConfig
-from .convert import _HEAD_FROM_DEEPSPEC, _HEAD_TO_DEEPSPEC, _load_weights, _read_config, build_draft
 from .fingerprint import fingerprint_copies
+from .formats import _HEAD_FROM_DEEPSPEC, _HEAD_TO_DEEPSPEC, _load_weights, _read_config
 
 SPECULATORS_TYPES = ("dspark", "dflash")
 _ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator"}
@@ -150,22 +150,14 @@ def _draft_vocab(weights: dict, vocab_size: int, draft_vocab_size: int, source: 
     return ids
 
 
-def load_speculators_checkpoint(
-    path_or_repo: str,
-    revision: str | None = None,
-    token: Any = None,
-    dtype: torch.dtype | str | None = None,
-    target: Any = None,
-    **unused: Any,
-):
-    """Load a speculators-format DSpark (or DFlash) draft (folder or Hub id) as a [`DSparkDraftModel`].
+def read_speculators_checkpoint(
+    path_or_repo: str, revision: str | None = None, token: Any = None
+) -> tuple[DSparkConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """Read a speculators DSpark/DFlash draft (folder or Hub id): its [`DSparkConfig`], the draft's own weights
+    (full-vocabulary shapes) and its draft vocabulary subset (`None`: the full vocabulary).
 
-    Args:
-        path_or_repo (`str`): local folder or Hub repo id.
-        revision (`str`, *optional*): branch, tag or commit on the Hub.
-        token (*optional*): Hub token.
-        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
-        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    The verifier copies and vocabulary maps are dropped; `load_speculators_checkpoint` in
+    `dspark_hf.model.modeling` builds the model from the result.
     """
     path_or_repo = os.fspath(path_or_repo)
     cfg = _read_config(path_or_repo, revision, token)
@@ -184,10 +176,7 @@ def load_speculators_checkpoint(
         full = w2.new_zeros(config.vocab_size, w2.shape[1])
         full[ids] = w2
         weights["markov_head.markov_w2.weight"] = full
-    draft = build_draft(config, weights, path_or_repo, dtype=dtype, target=target, fmt="speculators")
-    if ids is not None:
-        draft.set_draft_vocab(ids)
-    return draft
+    return config, weights, ids
 
 
 def export_speculators(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:

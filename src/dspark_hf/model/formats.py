@@ -216,22 +216,13 @@ def _load_weights(path_or_repo: str, revision: str | None, token: Any) -> dict[s
     return weights
 
 
-def load_deepspec_checkpoint(
-    path_or_repo: str,
-    revision: str | None = None,
-    token: Any = None,
-    dtype: torch.dtype | str | None = None,
-    target: Any = None,
-    **unused: Any,
-):
-    """Load a DeepSpec-format draft (folder or Hub id) as a [`DSparkDraftModel`].
+def read_deepspec_checkpoint(
+    path_or_repo: str, revision: str | None = None, token: Any = None
+) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """Read a DeepSpec-format draft (folder or Hub id) as a [`DSparkConfig`] and the draft's own weights.
 
-    Args:
-        path_or_repo (`str`): local folder or Hub repo id.
-        revision (`str`, *optional*): branch, tag or commit on the Hub.
-        token (*optional*): Hub token.
-        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
-        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    The frozen copies of the target's embedding and LM head are dropped (the draft binds the target's own).
+    [`load_deepspec_checkpoint`] builds the model from them.
     """
     path_or_repo = os.fspath(path_or_repo)
     cfg = _read_config(path_or_repo, revision, token)
@@ -244,38 +235,7 @@ def load_deepspec_checkpoint(
     config.target_weights_fingerprint = fingerprint_copies(weights, source=path_or_repo)
     for name in _TARGET_COPIES:
         weights.pop(name, None)
-    return build_draft(config, weights, path_or_repo, dtype=dtype, target=target, fmt="DeepSpec")
-
-
-def build_draft(config: DSparkConfig, weights: dict, source: str, dtype=None, target=None, fmt: str = "DeepSpec"):
-    """A [`DSparkDraftModel`] for `config` holding exactly `weights` (every key and shape must match)."""
-    from .modeling import DSparkDraftModel
-
-    stored_dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    draft = DSparkDraftModel(config).to(dtype or stored_dtype)
-    expected = draft.state_dict()
-    wrong = {
-        k: (tuple(v.shape), tuple(expected[k].shape))
-        for k, v in weights.items()
-        if k in expected and v.shape != expected[k].shape
-    }
-    if wrong:
-        raise ValueError(
-            f"{fmt} checkpoint {source} does not match the draft its config describes: (stored, expected) shapes "
-            f"{wrong}."
-        )
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{fmt} checkpoint {source} does not match the draft architecture: missing {missing}, "
-            f"unexpected {unexpected}."
-        )
-    draft.eval()
-    if target is not None:
-        draft.bind_target(target)
-    return draft
+    return config, weights
 
 
 def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
