@@ -53,7 +53,7 @@ def warn_if_target_differs(recorded: dict[str, Any], embed: Any, head: Any, targ
     for name, module in (("embed_tokens", embed), ("lm_head", head)):
         weight = getattr(module, "weight", None)
         if name in recorded and weight is not None and weight.dim() == 2:
-            if weight.shape[0] < 1 or not _matches(recorded[name], weight_fingerprint(weight)):
+            if not _matches(recorded[name], weight_fingerprint(weight)):
                 differ.append(name)
     if differ:
         target_name = getattr(target.config, "_name_or_path", None) or type(target).__name__
