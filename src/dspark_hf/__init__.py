@@ -21,8 +21,10 @@ from .model.configuration import DSparkConfig, default_target_layer_ids
 from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
 from .model.formats import export_deepspec
 from .model.kernels import KERNEL_MODES, build_exact_kernels, exact_kernels, kernels_of, set_kernels, use_kernels
-from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint
+from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
+from .model.speculators_format import export_speculators
 from .scheduling.policies import (
+    ConfidenceThresholdPolicy,
     FixedPolicy,
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
@@ -53,16 +55,19 @@ __all__ = [
     "RoundStats",
     "SamplingParams",
     "ThresholdPolicy",
+    "ConfidenceThresholdPolicy",
     "UniformHardwareAwarePolicy",
     "VerificationPolicy",
     "build_exact_kernels",
     "default_target_layer_ids",
     "exact_kernels",
     "export_deepspec",
+    "export_speculators",
     "get_sps_profile",
     "profile_sps",
     "kernels_of",
     "load_deepspec_checkpoint",
+    "load_speculators_checkpoint",
     "pack_linear_weights",
     "packed_linears",
     "resolve_policy",
