@@ -200,3 +200,18 @@ def test_gemma4_style_drafts_are_not_exported_to_speculators(tmp_path):
     draft = DSparkDraftModel.from_target(make_gemma4_target(), num_hidden_layers=1)
     with pytest.raises(ValueError, match="export_deepspec"):
         export_speculators(draft, tmp_path)
+
+
+def test_cli_export_speculators(tmp_path, target):
+    from dspark_hf.cli import main as cli_main
+
+    target.save_pretrained(tmp_path / "target")
+    draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16)
+    draft.save_pretrained(tmp_path / "draft")
+    argv = ["export", str(tmp_path / "draft"), str(tmp_path / "out"), "--format", "speculators"]
+    assert cli_main(argv + ["--target", str(tmp_path / "target"), "--dtype", "float32"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dspark" and cfg["dtype"] == "float32"
+    loaded = DSparkDraftModel.from_pretrained(tmp_path / "out", target=target)
+    inputs = block_inputs(draft)
+    assert max_diff(ours(draft, *inputs)[0], ours(loaded, *inputs)[0]) == 0.0
