@@ -443,36 +443,59 @@ def test_dockerfile_healthcheck_and_overload(docker_server, tiny):
     assert docker_server.rss_mb() - rss_before < 150  # no per-rejected-request state kept
 
 
+async def _wait_in_flight(client, at_least: int, tries: int = 600) -> None:
+    """Poll /ready until `at_least` requests are in flight (bounded: at most `tries` x 50 ms)."""
+    for _ in range(tries):
+        if (await client.get("/ready")).json()["in_flight"] >= at_least:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never saw {at_least} requests in flight")
+
+
 def test_disconnect_mid_stream_frees_the_slot(docker_server, tiny):
     """Four long streams fill the server (capacity 4); a fifth request is refused; one client leaves mid-stream
     and the next request is admitted; the disconnect is counted; the other three finish exactly."""
     long_text = [("abc", 60), ("hello there", 60), ("xyz", 60), ("q", 60)]
     refs = [_reference(tiny, _chat_ids(tiny["tokenizer"], t), m, ignore_eos=True) for t, m in long_text]
+    late_ref = _reference(tiny, _chat_ids(tiny["tokenizer"], "late"), 4)
     cancelled_before = docker_server.metric("dspark_http_requests_cancelled_total", '{reason="disconnect"}')
+
+    async def leave_mid_stream(client, body, go: asyncio.Event) -> int:
+        """Read two events, wait for `go`, then close the connection; returns the events read."""
+        seen = 0
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    assert line != "data: [DONE]"
+                    seen += 1
+                if seen >= 2:
+                    await go.wait()
+                    break
+        return seen
 
     async def run():
         async with httpx.AsyncClient(base_url=docker_server.url, timeout=300) as client:
             bodies = [_chat_body(t, m, ignore_eos=True) for t, m in long_text]
-            leaving = asyncio.ensure_future(_stream(client, "/v1/chat/completions", bodies[0], stop_after=3))
+            go = asyncio.Event()
+            leaving = asyncio.ensure_future(leave_mid_stream(client, bodies[0], go))
+            await _wait_in_flight(client, 1)
             others = [asyncio.ensure_future(_stream(client, "/v1/chat/completions", b)) for b in bodies[1:]]
-            await asyncio.sleep(0.5)
-            while (await client.get("/ready")).json()["in_flight"] < 4:
-                await asyncio.sleep(0.1)
+            await _wait_in_flight(client, 4)
             refused = await client.post("/v1/chat/completions", json=_chat_body("late", 4))
-            left = await leaving
+            go.set()
+            await leaving
             admitted = None
-            for _ in range(100):  # bounded: the freed place is given back at the next round
+            for _ in range(100):  # bounded: the freed place is given back as soon as the server sees the close
                 admitted = await client.post("/v1/chat/completions", json=_chat_body("late", 4))
                 if admitted.status_code != 429:
                     break
                 await asyncio.sleep(0.1)
-            return refused, left, admitted, await asyncio.gather(*others)
+            return refused, admitted, await asyncio.gather(*others)
 
-    refused, left, admitted, others = asyncio.run(run())
+    refused, admitted, others = asyncio.run(run())
     assert refused.status_code == 429
-    assert left["status"] == 200 and not left["done"]
-    assert admitted.status_code == 200
-    assert admitted.json()["choices"][0]["token_ids"] == _reference(tiny, _chat_ids(tiny["tokenizer"], "late"), 4)
+    assert admitted.status_code == 200 and admitted.json()["choices"][0]["token_ids"] == late_ref
     for res, ref in zip(others, refs[1:]):
         assert res["done"] and res["ids"] == ref
     assert docker_server.metric("dspark_http_requests_cancelled_total", '{reason="disconnect"}') == cancelled_before + 1
@@ -491,8 +514,7 @@ def test_sigterm_during_traffic_drains_and_exits_0(docker_server, tiny):
                 asyncio.ensure_future(_stream(client, "/v1/chat/completions", _chat_body(t, m, ignore_eos=True)))
                 for t, m in work
             ]
-            while (await client.get("/ready")).json()["in_flight"] < len(work):
-                await asyncio.sleep(0.05)
+            await _wait_in_flight(client, 2)  # the two long ones at least
             docker_server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             try:
