@@ -573,3 +573,35 @@ def test_real_default_pair_greedy_chat_equals_generate(tmp_path):
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_cli_is_light_safe_by_default_and_reads_the_environment(monkeypatch):
+    """`dspark serve` binds 127.0.0.1 unless told otherwise, every option reads DSPARK_<OPTION>, a flag wins,
+    a bad variable is refused by name, and building the CLI imports no server dependency."""
+    code = "import sys, dspark_hf.cli as c; c.build_parser(); print(sorted({'fastapi', 'uvicorn'} & set(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+    from dspark_hf.cli import build_parser
+
+    for name in ("DSPARK_HOST", "DSPARK_PORT", "DSPARK_API_KEY", "DSPARK_MAX_QUEUE"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, None, 32)
+    monkeypatch.setenv("DSPARK_PORT", "9123")
+    monkeypatch.setenv("DSPARK_API_KEY", "k")
+    args = build_parser().parse_args(["serve", "--api-key", "flag-wins"])
+    assert (args.port, args.api_key) == (9123, "flag-wins")
+    monkeypatch.setenv("DSPARK_MAX_QUEUE", "many")
+    with pytest.raises(SystemExit, match="DSPARK_MAX_QUEUE='many' is not a valid int"):
+        build_parser()
+
+
+def test_serve_config_refuses_bad_limits():
+    from dspark_hf.serve import ServeConfig
+
+    with pytest.raises(ValueError, match="max_prompt_tokens must be >= 1, got 0"):
+        ServeConfig(max_prompt_tokens=0)
+    with pytest.raises(ValueError, match="max_queue must be >= 0, got -1"):
+        ServeConfig(max_queue=-1)

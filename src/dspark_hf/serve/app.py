@@ -84,6 +84,7 @@ class ServerState:
         self.metrics = ServeMetrics(
             block_size=max(engine.gamma, 1),
             max_batch_size=engine.max_batch_size,
+            max_queue=config.max_queue,
             in_flight=lambda: self.in_flight,
             queue_depth=lambda: max(0, self.in_flight - engine.metrics.active_requests),
         )

@@ -18,11 +18,12 @@ class ServeMetrics:
     Args:
         block_size (`int`): the draft's γ (buckets of the τ and verified-length histograms run to γ + 1).
         max_batch_size (`int`): buckets of the batch-size histogram run to it.
+        max_queue (`int`): the admission limit beyond the batch (exported as a gauge, for alert rules).
         in_flight (`callable`): returns the requests admitted and not finished.
         queue_depth (`callable`): returns the admitted requests still waiting for a batch slot.
     """
 
-    def __init__(self, block_size: int, max_batch_size: int, in_flight, queue_depth) -> None:
+    def __init__(self, block_size: int, max_batch_size: int, max_queue: int, in_flight, queue_depth) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -44,6 +45,8 @@ class ServeMetrics:
         Gauge("dspark_http_queue_depth", "Admitted requests waiting for a batch slot.", registry=r).set_function(
             queue_depth
         )
+        Gauge("dspark_http_max_queue", "The server's --max-queue.", registry=r).set(max_queue)
+        Gauge("dspark_http_max_batch_size", "The server's --max-batch-size.", registry=r).set(max_batch_size)
         self.ttft = Histogram(
             "dspark_http_time_to_first_token_seconds", "Request arrival to its first generated token.",
             buckets=_LATENCY_BUCKETS, registry=r,
