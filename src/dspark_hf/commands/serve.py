@@ -70,12 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    try:
-        import uvicorn  # noqa: F401
+    from dspark_hf.commands._common import UserError, model_source
+    from dspark_hf.default_model import SHIPPED_DRAFTS
+    from dspark_hf.extras import require
 
-        from dspark_hf.serve import ServeConfig, load_app, run
-    except ImportError as err:
-        raise SystemExit(f"dspark serve: {err} (pip install 'dspark-hf[serve]')") from err
+    require("fastapi", "uvicorn", "prometheus_client", extra="serve")  # before loading any model
+    from dspark_hf.serve import ServeConfig, load_app, run
+
     try:
         config = ServeConfig(
             max_queue=args.max_queue,
@@ -84,12 +85,14 @@ def main(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             shutdown_timeout=args.shutdown_timeout,
         )
-        if args.model_name:
-            config.model_name = args.model_name
-        if args.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {args.max_batch_size}.")
     except ValueError as err:
-        raise SystemExit(f"dspark serve: {err}") from err
+        raise UserError(str(err)) from err
+    if args.model_name:
+        config.model_name = args.model_name
+    if args.max_batch_size < 1:
+        raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}.")
+    model_source(args.target, "--target")
+    model_source(args.draft, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         import torch

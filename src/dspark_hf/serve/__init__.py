@@ -5,19 +5,17 @@
   returns the app;
 - `run(app, host, port)` serves it with uvicorn and drains it on SIGTERM (what `dspark serve` does).
 
-Needs the `serve` extra (`pip install "dspark-hf[serve]"`); `import dspark_hf` never imports this package.
+Needs the `serve` extra (see `dspark_hf.extras`); `import dspark_hf` never imports this package.
 See `docs/serving.md`.
 """
 
 from __future__ import annotations
 
-try:
-    import fastapi  # noqa: F401
-    import pydantic  # noqa: F401
-except ImportError as err:  # pragma: no cover - depends on the install
-    raise ImportError("dspark_hf.serve needs FastAPI and uvicorn: pip install 'dspark-hf[serve]'.") from err
+from ..extras import require
 
-from .app import ServeConfig, ServerState, create_app
-from .launch import load_app, run
+require("fastapi", "pydantic", "uvicorn", "prometheus_client", extra="serve")
+
+from .app import ServeConfig, ServerState, create_app  # noqa: E402  (after the extra check)
+from .launch import load_app, run  # noqa: E402
 
 __all__ = ["ServeConfig", "ServerState", "create_app", "load_app", "run"]

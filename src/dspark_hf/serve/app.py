@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import DSparkEngine, RequestOutput, StreamEvent
+from ..decoding.engine import DSparkEngine, RequestOutput, StreamEvent
 from .metrics import ServeMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, finish_reason, new_id, now, parse
 from .worker import EngineWorker, ShutdownCancelled, Ticket

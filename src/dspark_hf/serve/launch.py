@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 
-from ..engine import DSparkEngine
+from ..decoding.engine import DSparkEngine
 from .app import ServeConfig, create_app
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Each app gets its own `CollectorRegistry`, so two apps in one process (tests) do
 
 from __future__ import annotations
 
-from ..engine import RequestOutput
+from ..decoding.engine import RequestOutput
 
 # seconds; TTFT on a CPU runs from tens of milliseconds (tiny models) to tens of seconds (a long queue)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..engine import SamplingParams
+from ..decoding.engine import SamplingParams
 
 
 class ApiError(Exception):

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import DSparkEngine, SamplingParams, StreamEvent
+from ..decoding.engine import DSparkEngine, SamplingParams, StreamEvent
 
 logger = logging.getLogger(__name__)
 
