@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -153,6 +154,36 @@ def engine_summary(url: str) -> dict:
     return out
 
 
+def _medians(samples: dict) -> dict:
+    """Per concurrency and mode, the median over repeats of every measurement (levels without data skipped)."""
+    out = {}
+    for c, per_mode in samples.items():
+        if all(per_mode.values()):
+            out[c] = {m: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for m, runs in per_mode.items()}
+    return out
+
+
+def render(report: dict) -> str:
+    """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run."""
+    samples = {int(c): v for c, v in report["samples"].items()}
+    medians = _medians(samples)
+    modes = list(next(iter(samples.values())))
+    lines = [
+        "| C | mode | repeats | tokens/s | vs none | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for c, per_mode in medians.items():
+        for mode in modes:
+            m = per_mode[mode]
+            base = per_mode.get("none")
+            ratio = f"{m['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
+            lines.append(
+                f"| {c} | {mode} | {len(samples[c][mode])} | {m['tokens_per_second']:.1f} | {ratio} | "
+                f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | {1000 * m['itl_p50']:.0f} / {1000 * m['itl_p99']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
@@ -171,14 +202,29 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default="benchmarks/results/serve.json")
+    parser.add_argument("--render", default=None, help="only print the table of an existing (partial) JSON report")
     args = parser.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
     servers = {}
+    logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    print(f"server logs in {logs}", flush=True)
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "modes": args.policies,
+        "complete": False,
+    }
     try:
         for mode in args.policies:
-            log = out.parent / f"serve_{mode.replace(':', '_')}.log"
+            log = logs / f"serve_{mode.replace(':', '_')}.log"
             servers[mode] = start_server(None if mode == "default" else mode, args, log)
             print(f"started {mode} at {servers[mode][1]}", flush=True)
         for _, url in servers.values():  # warm-up: one short request each
@@ -191,6 +237,7 @@ def main() -> None:
                     res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens))
                     samples[c][mode].append(res)
                     print(f"repeat {rep} C={c:2d} {mode:>10}: {res['tokens_per_second']:6.1f} tok/s", flush=True)
+                    out.write_text(json.dumps({**report, "samples": samples}, indent=1))  # partial results
         engines = {mode: engine_summary(url) for mode, (_, url) in servers.items()}
     finally:
         for proc, _ in servers.values():
@@ -202,33 +249,10 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    medians = {
-        c: {m: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for m, runs in per_mode.items()}
-        for c, per_mode in samples.items()
-    }
-    report = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": args.threads,
-        "max_tokens": args.max_tokens,
-        "modes": list(servers),
-        "engine": engines,
-        "medians": medians,
-        "samples": samples,
-    }
+    medians = _medians(samples)
+    report.update(complete=True, engine=engines, medians=medians, samples=samples)
     out.write_text(json.dumps(report, indent=1))
-    base = "none" if "none" in servers else None
-    print("\n| C | mode | tokens/s | vs none | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for c in args.concurrency:
-        for mode in servers:
-            m = medians[c][mode]
-            ratio = m["tokens_per_second"] / medians[c][base]["tokens_per_second"] if base else float("nan")
-            print(
-                f"| {c} | {mode} | {m['tokens_per_second']:.1f} | {ratio:.2f}x | {m['ttft_p50']:.2f} / "
-                f"{m['ttft_p99']:.2f} | {1000 * m['itl_p50']:.0f} / {1000 * m['itl_p99']:.0f} |"
-            )
+    print(render(report))
     print(f"\nengine totals per mode: {engines}\nwrote {out}")
 
 
