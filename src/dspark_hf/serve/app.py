@@ -215,6 +215,7 @@ class _Run:
         self.token_ids: list[int] = []
         self.output: RequestOutput | None = None
         self.reason: str | None = None  # OpenAI finish reason once finished
+        self.stream_started = False
         self._getter: asyncio.Task | None = None
 
     async def next_event(self, request=None, poll: float = 0.5):
@@ -339,7 +340,7 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
             state.release(ticket)
             raise
         if req.stream:
-            return StreamingResponse(_sse(state, run, req, chat, first, path), media_type="text/event-stream")
+            return _EventStream(_sse(state, run, req, chat, first, path), state, run, path)
         try:
             while run.reason is None:
                 run.feed(await run.next_event(request))
@@ -387,6 +388,23 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
     return app
 
 
+class _EventStream(StreamingResponse):
+    """The SSE response; if the client leaves before the first chunk is sent, the body never starts (so its
+    own cleanup never runs), and the request is released and counted here instead."""
+
+    def __init__(self, body, state: ServerState, run: _Run, path: str) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._state, self._run, self._path = state, run, path
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._run.stream_started:
+                self._state.release(self._run.ticket)
+                self._state.metrics.requests.labels(self._path, "499").inc()
+
+
 def _choice(run: _Run, req, chat: bool, text: str, delta: bool) -> dict:
     if chat:
         key = "delta" if delta else "message"
@@ -430,6 +448,7 @@ async def _sse(state: ServerState, run: _Run, req, chat: bool, first: str, path:
         return f"data: {json.dumps(body)}\n\n"
 
     status = "499"  # unless the stream reaches its end
+    run.stream_started = True
     try:
         if chat:
             role = {"id": rid, "object": kind, "created": created, "model": model}
