@@ -551,11 +551,13 @@ def test_real_default_pair_greedy_chat_equals_generate(tmp_path):
     port = _free_port()
     # fixed:3 rather than the default hardware-aware policy: no SPS measurement at start-up (output is the same)
     argv = ["dspark", "serve", "--port", str(port), "--policy", "fixed:3", "--threads", "2", "--log-level", "warning"]
+    # loaded (and, in a fresh cache, converted from the GGUF) before the server starts, so that the server finds
+    # the converted folder instead of converting it into the same place at the same time
+    target, tokenizer = load_default_target()
+    draft, fresh = load_draft(target)
+    assert not fresh
     srv = Server(argv, {}, tmp_path / "real.log", port)
     try:
-        target, tokenizer = load_default_target()
-        draft, fresh = load_draft(target)
-        assert not fresh
         srv.wait_ready()
         text, max_new = "Write a haiku about the sea.", 24
         inputs = chat_inputs(tokenizer, text)
