@@ -394,3 +394,27 @@ def test_metrics_reset_andcontext_limit():
 
     assert context_limit(Qwen2Config(max_position_embeddings=512)) == 512
     assert context_limit(MistralConfig(max_position_embeddings=4096, sliding_window=128)) == 128
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_exact(setups):
+    """A cancelled active request frees its batch slot and KV reservation at once (the queued request is admitted
+    next round), emits nothing more, and the surviving requests still equal plain `generate()`; cancelling a
+    queued request or an unknown id behaves as documented."""
+    target, draft, work, refs = setups["llama"]
+    engine = DSparkEngine(target, draft, policy="fixed", max_batch_size=2)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=m)) for p, m in work[:4]]
+    engine.step()  # admits 0 and 1 (prefill); 2 and 3 wait
+    assert engine.queue_length == 2
+    assert engine.cancel(ids[3]) is True  # queued
+    assert engine.cancel(ids[1]) is True  # active: its slot goes to request 2 at the next round
+    assert engine.cancel(ids[1]) is False and engine.cancel(12345) is False
+    assert engine._reserved == len(work[0][0]) + work[0][1]
+    outputs, seen = {}, set()
+    while engine.has_unfinished():
+        for event in engine.step():
+            seen.add(event.request_id)
+            if event.finished:
+                outputs[event.request_id] = event.output
+    assert seen == {ids[0], ids[2]}
+    assert outputs[ids[0]].token_ids == refs[0] and outputs[ids[2]].token_ids == refs[2]
+    assert engine._reserved == 0 and engine.metrics.peak_active_requests == 2

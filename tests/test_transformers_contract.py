@@ -82,7 +82,7 @@ def test_import_is_light():
     import sys
 
     code = (
-        "import sys; heavy = ['accelerate', 'peft', 'datasets', 'gradio', 'evaluate', 'matplotlib']; "
+        "import sys; heavy = ['accelerate', 'peft', 'datasets', 'gradio', 'evaluate', 'matplotlib', 'fastapi', 'uvicorn']; "
         "from transformers import PreTrainedModel, GenerationMixin; before = set(sys.modules); "
         "import dspark_hf; after = set(sys.modules); "
         "print(sorted({m.split('.')[0] for m in after - before} & set(heavy)), "

@@ -14,6 +14,7 @@ COMMANDS = {
     "export": ("export", "Export a draft to DeepSpec's format (what vLLM / SGLang serve)."),
     "push": ("push", "Push a draft (config, safetensors weights, model card) to the Hugging Face Hub."),
     "pull": ("pull", "Download a draft from the Hugging Face Hub by branch, tag or commit."),
+    "serve": ("serve", "OpenAI-compatible HTTP server on the batched engine (streaming, metrics, admission control)."),
     "demo": ("demo", "Gradio app: chat with live token colouring by confidence, per-round chart and speedup."),
     "calibrate": (
         "calibrate",

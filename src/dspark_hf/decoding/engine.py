@@ -279,6 +279,33 @@ class DSparkEngine:
         self._queue.append(req)
         return rid
 
+    def cancel(self, request_id: int) -> bool:
+        """Drop a queued or active request now: its KV reservation and caches are freed before the next round.
+
+        No event is emitted for a cancelled request (an undelivered result of it is discarded too). Like every
+        other method, call it from the thread that calls [`step`] (the engine is not thread-safe).
+
+        Args:
+            request_id (`int`): the id [`add_request`] returned.
+
+        Returns:
+            `bool`: whether the request was still unfinished (`False` for an unknown or finished id).
+        """
+        for req in self._queue:
+            if req.rid == request_id:
+                self._queue.remove(req)
+                return True
+        for req in self._active:
+            if req.rid == request_id:
+                self._active.remove(req)
+                self._reserved -= req.reserve
+                req.kv = req.dkv = None
+                return True
+        pending = len(self._failed) + len(self._buffered)
+        self._failed = [o for o in self._failed if o.request_id != request_id]
+        self._buffered = [e for e in self._buffered if e.request_id != request_id]
+        return len(self._failed) + len(self._buffered) < pending
+
     def has_unfinished(self) -> bool:
         """`bool`: whether any request is queued, active or has an undelivered result."""
         return bool(self._queue or self._active or self._failed or self._buffered)

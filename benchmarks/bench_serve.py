@@ -1,0 +1,260 @@
+"""Load generator for `dspark serve`: tokens/s, TTFT and inter-token latency vs concurrency, speculation on vs off.
+
+One `dspark serve` subprocess per mode (by default: the default verification policy, and `--policy none`, plain
+batched decoding through the same engine), all on 127.0.0.1 and all loaded before measuring; a server waits
+idle while another is measured. For every repeat and every concurrency C, each mode is loaded in turn (the
+order alternates between repeats): C clients each send streaming chat requests back to back (greedy,
+`max_tokens` fixed) until `--requests` requests (at least C) are done. Per level it records aggregate completion
+tokens/s (all tokens / wall time), time to first token and inter-token latency (the gap between two streamed
+chunks split over the tokens the later one carries, as the server's own histogram does) per token.
+
+    python benchmarks/bench_serve.py --max-tokens 32 --repeats 3
+
+Writes `benchmarks/results/serve.json` (every repeat, and medians) and prints a markdown table. Traffic goes to
+127.0.0.1 only; every request loop is bounded by `--requests`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for learning a new language.",
+    "What is the capital of France, and what is it known for?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How do I reverse a list in Python?",
+    "What are the benefits of regular exercise?",
+    "Describe a sunset to someone who has never seen one.",
+    "What is 17 times 23? Show your working.",
+    "Write a short poem about autumn leaves.",
+    "What causes the seasons on Earth?",
+    "List five fruits that are high in vitamin C.",
+    "How does a refrigerator keep food cold?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(policy: str | None, args, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "dspark_hf.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    argv += ["--max-batch-size", str(max(args.concurrency)), "--max-queue", str(2 * max(args.concurrency))]
+    argv += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_tokens)]
+    if policy is not None:
+        argv += ["--policy", policy]
+    for flag in ("target", "draft", "dtype", "device"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", getattr(args, flag)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(3000):  # bounded: 10 minutes (the first hardware-aware start measures the SPS profile)
+        if proc.poll() is not None:
+            raise SystemExit(f"server for policy {policy} exited:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server for policy {policy} never became ready")
+
+
+async def one_request(client, prompt: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens}
+    body.update(stream=True, return_token_ids=True)
+    sent = time.perf_counter()
+    arrivals = []  # (time, tokens in the chunk)
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            n = sum(len(c.get("token_ids", [])) for c in chunk.get("choices", []))
+            if n:
+                arrivals.append((time.perf_counter(), n))
+    ttft = arrivals[0][0] - sent if arrivals else float("nan")
+    gaps = []
+    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+        gaps += [(t1 - t0) / n] * n
+    gaps += [0.0] * (arrivals[0][1] - 1 if arrivals else 0)  # tokens that came with the first one
+    return {"ttft": ttft, "itl": gaps, "tokens": sum(n for _, n in arrivals)}
+
+
+async def load_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    counter = iter(range(requests))
+
+    async def client_loop(client, results):
+        for i in counter:  # shared iterator: each request index is taken by exactly one client
+            results.append(await one_request(client, PROMPTS[i % len(PROMPTS)], max_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        results: list[dict] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client, results) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttft = sorted(r["ttft"] for r in results)
+    itl = sorted(g for r in results for g in r["itl"])
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "itl_p50": _pct(itl, 50),
+        "itl_p99": _pct(itl, 99),
+    }
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def engine_summary(url: str) -> dict:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out = {}
+    for name in ("tau", "mean_verification_length", "drafting_rounds_total", "rounds_total"):
+        for line in text.splitlines():
+            if line.startswith(f"dspark_engine_{name} "):
+                out[name] = float(line.split()[-1])
+    return out
+
+
+def _medians(samples: dict) -> dict:
+    """Per concurrency and mode, the median over repeats of every measurement (levels without data skipped)."""
+    out = {}
+    for c, per_mode in samples.items():
+        if all(per_mode.values()):
+            out[c] = {m: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for m, runs in per_mode.items()}
+    return out
+
+
+def render(report: dict) -> str:
+    """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run."""
+    samples = {int(c): v for c, v in report["samples"].items()}
+    medians = _medians(samples)
+    modes = list(next(iter(samples.values())))
+    lines = [
+        "| C | mode | repeats | tokens/s | vs none | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for c, per_mode in medians.items():
+        for mode in modes:
+            m = per_mode[mode]
+            base = per_mode.get("none")
+            ratio = f"{m['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
+            lines.append(
+                f"| {c} | {mode} | {len(samples[c][mode])} | {m['tokens_per_second']:.1f} | {ratio} | "
+                f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | {1000 * m['itl_p50']:.0f} / {1000 * m['itl_p99']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=None, help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default=None, help="draft (default: the shipped draft for the default target)")
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["default", "none"],
+        help="modes to compare: `default` (the server's default policy), `none` (no speculation), or any policy",
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--requests", type=int, default=4, help="requests per level (at least the concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="benchmarks/results/serve.json")
+    parser.add_argument("--render", default=None, help="only print the table of an existing (partial) JSON report")
+    args = parser.parse_args()
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())))
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    servers = {}
+    logs = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    print(f"server logs in {logs}", flush=True)
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "modes": args.policies,
+        "complete": False,
+    }
+    try:
+        for mode in args.policies:
+            log = logs / f"serve_{mode.replace(':', '_')}.log"
+            servers[mode] = start_server(None if mode == "default" else mode, args, log)
+            print(f"started {mode} at {servers[mode][1]}", flush=True)
+        for _, url in servers.values():  # warm-up: one short request each
+            asyncio.run(load_level(url, 1, 1, 4))
+        samples = {c: {m: [] for m in servers} for c in args.concurrency}
+        for rep in range(args.repeats):
+            for c in args.concurrency:
+                order = list(servers) if (rep + c) % 2 == 0 else list(reversed(servers))
+                for mode in order:
+                    res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens))
+                    samples[c][mode].append(res)
+                    print(f"repeat {rep} C={c:2d} {mode:>10}: {res['tokens_per_second']:6.1f} tok/s", flush=True)
+                    out.write_text(json.dumps({**report, "samples": samples}, indent=1))  # partial results
+        engines = {mode: engine_summary(url) for mode, (_, url) in servers.items()}
+    finally:
+        for proc, _ in servers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    medians = _medians(samples)
+    report.update(complete=True, engine=engines, medians=medians, samples=samples)
+    out.write_text(json.dumps(report, indent=1))
+    print(render(report))
+    print(f"\nengine totals per mode: {engines}\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Loading the models into an app, and running it with uvicorn (SIGTERM drains instead of dropping)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+from ..decoding.engine import DSparkEngine
+from .app import ServeConfig, create_app
+
+logger = logging.getLogger(__name__)
+
+
+def load_app(
+    target: str | None = None,
+    draft: str | None = None,
+    policy=None,
+    max_batch_size: int = 8,
+    dtype=None,
+    device=None,
+    config: ServeConfig | None = None,
+):
+    """Load a target and draft and return the app serving them.
+
+    Args:
+        target (`str`, *optional*): target folder or Hub id (default: SmolLM2-135M-Instruct, offline).
+        draft (`str`, *optional*): draft folder, Hub id, shipped draft name or `"fresh"` (default: the shipped
+            draft for the default target, else a fresh, untrained one), see `dspark_hf.default_model.load_draft`.
+        policy (`str`, *optional*): verification policy (see [`resolve_policy`]); `"none"` serves without
+            speculation.
+        max_batch_size (`int`, *optional*, defaults to 8): requests decoded together.
+        dtype (`str` or `torch.dtype`, *optional*): weights' dtype (default fp32).
+        device (`str`, *optional*): e.g. `"cuda"` (default: the CPU).
+        config ([`ServeConfig`], *optional*): limits and identity; `model_name` defaults to the target's name.
+
+    Returns:
+        `fastapi.FastAPI`
+    """
+    from ..default_model import DEFAULT_TARGET_HUB_ID, load_draft, load_target
+
+    target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+    draft_model = None
+    if policy != "none":
+        draft_model, fresh = load_draft(target_model, draft)
+        if fresh:
+            logger.warning("serving with a fresh, untrained draft: output is exact, but nearly every draft is rejected")
+    config = config or ServeConfig()
+    if config.model_name == ServeConfig.model_name:
+        config.model_name = target or DEFAULT_TARGET_HUB_ID
+    engine = DSparkEngine(target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size)
+    logger.info("engine ready: policy %s, max_batch_size %d", engine.policy, max_batch_size)
+    return create_app(engine, config)
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` until SIGTERM or SIGINT, then drain: stop admitting, give in-flight requests the config's
+    `shutdown_timeout` to finish, cancel the rest, return (the process then exits 0)."""
+    import uvicorn
+
+    state = app.state.server
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # uvicorn's own deadline is a backstop: the worker cancels what is left at shutdown_timeout
+        timeout_graceful_shutdown=state.config.shutdown_timeout + 5,
+        lifespan="on",
+    )
+    _DrainingServer(config, state).run()
+
+
+class _DrainingServer:
+    """uvicorn's server, with SIGTERM/SIGINT starting the drain and not re-raised after it (so exit code 0)."""
+
+    def __new__(cls, config, state):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                state.begin_drain()
+                super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn re-raises a captured signal once it has shut down, which makes the exit status
+                # 128 + SIGTERM; a drained shutdown is the normal end of this server, so it is not re-raised
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        return Server(config)
