@@ -31,7 +31,7 @@ from ..vocab import frequent_token_ids
 from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, require
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset
-from .features import FeatureCache, pad_features, target_features, target_logits
+from .features import FeatureCache, pad_features, target_features, target_log_partition, target_logits
 from .losses import IGNORE_INDEX, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
@@ -152,6 +152,8 @@ class _BlockStep:
                 **({"restrict_vocab": True} if subset else {}),
             )
         t_logits = target_logits(self.target, feats.final, blocks.target_positions, self.vocab_ids)
+        # Over a subset, the full vocabulary's log-partition makes p the target's full distribution on it.
+        log_z = target_log_partition(self.target, feats.final, blocks.target_positions) if subset else None
         labels = self.label_index.to(blocks.labels.device)[blocks.labels] if subset else blocks.labels
         a = self.train_args
         loss = dspark_loss(
@@ -161,6 +163,7 @@ class _BlockStep:
             blocks.valid,
             out.confidence_logits,
             block_size=self.gamma,
+            target_log_partition=log_z,
             decay=a.loss_decay,
             ce_weight=a.ce_weight,
             l1_weight=a.l1_weight,
