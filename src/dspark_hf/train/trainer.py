@@ -172,16 +172,25 @@ class _BlockStep:
         return loss, int(attention.sum())
 
 
+def _uncalibrated(draft: DSparkDraftModel) -> DSparkDraftModel:
+    """Drop a starting draft's confidence calibration: training changes what the confidences mean, so the
+    trained draft is saved as uncalibrated (run `dspark calibrate` on it again) instead of carrying stale
+    temperatures that the hardware-aware policy would trust."""
+    draft.config.confidence_calibrated = False
+    draft.config.calibration_temperatures = [1.0] * draft.config.block_size
+    return draft
+
+
 def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
     if lora_args.lora:
         if model_args.init_from is None:
             raise ValueError("LoRA fine-tuning adapts an existing draft: pass --init_from <draft folder or Hub id>.")
         from .lora import apply_lora
 
-        draft = DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float()
+        draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
         return apply_lora(draft, lora_args, base_path=model_args.init_from)
     if model_args.init_from is not None:
-        return DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float()
+        return _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
     return DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
 
