@@ -43,7 +43,7 @@ import torch
 
 import dspark_hf
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
-from dspark_hf.vocab import frequent_token_ids
+from dspark_hf.model.vocab import frequent_token_ids
 
 PROMPTS = [
     "Explain why the sky is blue.",
@@ -55,7 +55,7 @@ PROMPTS = [
 def frequency_text(limit: int) -> tuple[list[str], str]:
     """Real text for token frequencies: assistant turns of ShareGPT (training slice), else this repo's docs."""
     try:
-        from dspark_hf.prompt_sets import SHAREGPT_HELDOUT_START, sharegpt_conversations
+        from dspark_hf.evaluation.prompt_sets import SHAREGPT_HELDOUT_START, sharegpt_conversations
 
         conversations = sharegpt_conversations()[: min(limit, SHAREGPT_HELDOUT_START)]
         texts = [t["value"] for c in conversations for t in c if t.get("from") == "gpt" and t.get("value")]
@@ -69,7 +69,7 @@ def frequency_text(limit: int) -> tuple[list[str], str]:
 
 def heldout_coverage(tokenizer, subsets: dict) -> dict:
     """Share of held-out ShareGPT assistant-turn tokens inside each subset."""
-    from dspark_hf.prompt_sets import SHAREGPT_HELDOUT_START, sharegpt_conversations
+    from dspark_hf.evaluation.prompt_sets import SHAREGPT_HELDOUT_START, sharegpt_conversations
 
     conversations = sharegpt_conversations()[SHAREGPT_HELDOUT_START:]
     texts = [t["value"] for c in conversations for t in c if t.get("from") == "gpt" and t.get("value")]

@@ -40,12 +40,12 @@ import torch
 
 import dspark_hf
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.cpu_packing import cpu_packing_enabled, packed_linears
+from dspark_hf.decoding.engine_batch import KVStore, ragged_target_forward
 from dspark_hf.default_model import load_default_target, load_draft
-from dspark_hf.engine_batch import KVStore, ragged_target_forward
-from dspark_hf.evaluation import synchronize
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
-from dspark_hf.sps import get_sps_profile
+from dspark_hf.evaluation.harness import synchronize
+from dspark_hf.model.cpu_packing import cpu_packing_enabled, packed_linears
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import get_sps_profile
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf.cpu_packing import packed_linears
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
-from dspark_hf.sps import get_sps_profile
+from dspark_hf.model.cpu_packing import packed_linears
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.scheduling.sps import get_sps_profile
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",

@@ -24,7 +24,7 @@ eval_cli() {
   python3 - "$@" <<'EOF'
 import sys
 
-import dspark_hf.evaluation as ev
+import dspark_hf.evaluation.harness as ev
 from dspark_hf.cli import main
 
 try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.calibration import (
+from dspark_hf.scheduling.calibration import (
     CalibrationRecords,
     auroc,
     brier_score,
@@ -94,8 +94,8 @@ def test_calibrate_end_to_end_on_generate(tmp_path):
     draft.save_pretrained(tmp_path / "draft")
     loaded = DSparkDraftModel.from_pretrained(tmp_path / "draft", target=target)
     assert loaded.config.calibration_temperatures == report["temperatures"] and loaded.config.confidence_calibrated
-    from dspark_hf.scheduler import HardwareAwarePolicy
-    from dspark_hf.sps import SPSProfile
+    from dspark_hf.scheduling.policies import HardwareAwarePolicy
+    from dspark_hf.scheduling.sps import SPSProfile
 
     loaded.policy = HardwareAwarePolicy(sps=SPSProfile({1: 0.065, 2: 0.107, 16: 0.107, 32: 0.142}))
     out = target.generate(prompts[0], max_new_tokens=20, do_sample=False, assistant_model=loaded)

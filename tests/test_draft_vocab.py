@@ -30,9 +30,9 @@ from scipy import stats
 from transformers import AutoModel, GenerationConfig, LogitsProcessorList, SuppressTokensLogitsProcessor
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec
-from dspark_hf.engine_batch import RowSampler, sample_block
-from dspark_hf.generation import DSparkCandidateGenerator
-from dspark_hf.vocab import frequent_token_ids
+from dspark_hf.decoding.engine_batch import RowSampler, sample_block
+from dspark_hf.decoding.generation import DSparkCandidateGenerator
+from dspark_hf.model.vocab import frequent_token_ids
 from test_sampling_exactness import (
     ALPHA,
     LOGIT_SCALE,

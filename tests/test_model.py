@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.modeling import DSparkCache, block_attention_mask
+from dspark_hf.model.modeling import DSparkCache, block_attention_mask
 
 from helpers import make_target
 

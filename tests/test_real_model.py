@@ -65,7 +65,7 @@ def test_shipped_drafts_load_by_name_and_stay_lossless(smollm, name):
     if name == DEFAULT_DRAFT:
         default, fresh = load_draft(target)  # the default for the default target
         assert not fresh and default.config.sequential_head == "markov" and default.config.confidence_calibrated
-        from dspark_hf.scheduler import HardwareAwarePolicy, resolve_policy
+        from dspark_hf.scheduling.policies import HardwareAwarePolicy, resolve_policy
 
         policy = resolve_policy(default.policy, has_confidence=True, calibrated=default.config.confidence_calibrated)
         assert isinstance(policy, HardwareAwarePolicy)  # a calibrated draft defaults to the hardware-aware policy

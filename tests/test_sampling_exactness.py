@@ -53,9 +53,9 @@ import transformers.generation.utils as generation_utils
 from scipy import stats
 from transformers import GenerationConfig
 
-from dspark_hf.generation import DSparkCandidateGenerator
-from dspark_hf.scheduler import HardwareAwarePolicy, LaggedHardwareAwarePolicy
-from dspark_hf.sps import SPSProfile
+from dspark_hf.decoding.generation import DSparkCandidateGenerator
+from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile
 
 from helpers import make_aligned_draft, make_target
 

@@ -10,14 +10,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, export_deepspec
-from dspark_hf.convert import is_deepspec_checkpoint
+from dspark_hf.model.formats import is_deepspec_checkpoint
 
 from helpers import make_aligned_draft, make_target
 
 
 def _block_logits(draft, seed=0):
     """Teacher-forced logits and confidences of two packed blocks on random context features."""
-    from dspark_hf.modeling import block_attention_mask
+    from dspark_hf.model.modeling import block_attention_mask
 
     gen = torch.Generator().manual_seed(seed)
     c = draft.config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf.scheduler import FixedPolicy, ThresholdPolicy, resolve_policy, survival_probabilities
+from dspark_hf.scheduling.policies import FixedPolicy, ThresholdPolicy, resolve_policy, survival_probabilities
 
 
 def test_survival_is_cumulative_product():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf.scheduler import (
+from dspark_hf.decoding.verification import emitted_token_distribution, greedy_accept, speculative_accept
+from dspark_hf.scheduling.policies import (
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
     ScheduleContext,
@@ -19,8 +20,7 @@ from dspark_hf.scheduler import (
     resolve_policy,
     top_k_lengths,
 )
-from dspark_hf.sps import SPSProfile
-from dspark_hf.verification import emitted_token_distribution, greedy_accept, speculative_accept
+from dspark_hf.scheduling.sps import SPSProfile
 
 # Appendix A: SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45 (verification steps per second at B tokens)
 APPENDIX_SPS = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf.scheduler import ScheduleContext, UniformHardwareAwarePolicy, resolve_policy, uniform_length
-from dspark_hf.sps import SPSProfile
+from dspark_hf.scheduling.policies import ScheduleContext, UniformHardwareAwarePolicy, resolve_policy, uniform_length
+from dspark_hf.scheduling.sps import SPSProfile
 from test_scheduler_hardware import P_TARGET, exact_first_token_distribution
 
 FLAT = SPSProfile({1: 0.1, 256: 0.1}).sps  # verifying more is free

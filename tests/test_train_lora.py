@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.modeling import block_attention_mask
+from dspark_hf.model.modeling import block_attention_mask
 from dspark_hf.train import (
     DataArguments,
     LoraArguments,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.modeling import block_attention_mask
+from dspark_hf.model.modeling import block_attention_mask
 from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments, TrainArguments, prepare_data, train
 from dspark_hf.train.data import load_token_dataset
 from dspark_hf.train.features import target_features, target_logits

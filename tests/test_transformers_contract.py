@@ -10,7 +10,7 @@ from transformers.generation import candidate_generator as cg_module
 from transformers.generation.candidate_generator import CandidateGenerator
 
 import dspark_hf
-from dspark_hf.generation import EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS, install_generate_hook
+from dspark_hf.decoding.generation import EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS, install_generate_hook
 
 from helpers import make_target
 

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
 from dspark_hf.train.data import load_token_dataset
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -11,17 +11,17 @@ Importing this package stays light: it pulls in torch and transformers only (no 
 gradio or evaluate).
 """
 
-__version__ = "0.1.0"
-
 from transformers import AutoConfig, AutoModel
 
-from .configuration import DSparkConfig, default_target_layer_ids
-from .convert import export_deepspec, load_deepspec_checkpoint
-from .cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
-from .engine import DSparkEngine, RequestOutput, SamplingParams
-from .generation import DSparkCandidateGenerator, install_generate_hook
-from .modeling import DSparkDraftModel, DSparkOutput
-from .scheduler import (
+from ._version import __version__
+from .decoding.engine import DSparkEngine, RequestOutput, SamplingParams
+from .decoding.generation import DSparkCandidateGenerator, install_generate_hook
+from .decoding.stats import GenerationStats, RoundStats
+from .model.configuration import DSparkConfig, default_target_layer_ids
+from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
+from .model.formats import export_deepspec
+from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint
+from .scheduling.policies import (
     FixedPolicy,
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
@@ -30,8 +30,7 @@ from .scheduler import (
     VerificationPolicy,
     resolve_policy,
 )
-from .sps import SPSProfile, get_sps_profile, profile_sps
-from .stats import GenerationStats, RoundStats
+from .scheduling.sps import SPSProfile, get_sps_profile, profile_sps
 
 AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)

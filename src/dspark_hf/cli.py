@@ -28,7 +28,7 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for Hugging Face models.")
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"dspark-hf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -44,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .commands._common import UserError
+    from .extras import MissingExtraError
+
     module = importlib.import_module(f"dspark_hf.commands.{COMMANDS[args.command][0]}")
-    return module.main(args) or 0
+    try:
+        return module.main(args) or 0
+    except (UserError, MissingExtraError) as err:  # a mistake on the command line or a missing extra: one line
+        print(f"dspark {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

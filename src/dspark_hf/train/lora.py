@@ -67,7 +67,7 @@ def load_draft_with_adapter(draft_path: str, adapter_path: str, target=None, mer
         [`DSparkDraftModel`]: the draft with the adapter applied (as injected peft layers, or merged).
     """
     peft = require("peft", "Loading a LoRA adapter")
-    from ..modeling import DSparkDraftModel
+    from ..model.modeling import DSparkDraftModel
 
     draft = DSparkDraftModel.from_pretrained(draft_path, target=target)
     with _quiet_peft():

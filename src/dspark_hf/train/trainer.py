@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..modeling import DSparkDraftModel, block_attention_mask
-from ..vocab import frequent_token_ids
+from ..model.modeling import DSparkDraftModel, block_attention_mask
+from ..model.vocab import frequent_token_ids
 from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, require
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset

@@ -10,7 +10,7 @@ A round ([`DSparkEngine.step`]) does, for all active requests at once:
 3. **schedule**: the verification policy sees the whole batch's survival matrix `[R, γ]` (and the target's
    SPS profile) and picks each request's verification length `ℓ_r`;
 4. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
-   `dspark_hf.engine_batch`), then per-request acceptance (greedy, or exact rejection sampling);
+   `dspark_hf.decoding.engine_batch`), then per-request acceptance (greedy, or exact rejection sampling);
 5. **commit**: each request keeps the keys/values and target features of its committed tokens only (that is
    the rollback), its draft context grows by the same tokens, and accepted tokens are emitted. Finished
    requests free their caches, which lets queued ones in.
@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cpu_packing import cpu_packing_enabled, packed_linears
+from ..model.cpu_packing import cpu_packing_enabled, packed_linears
+from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
 from .engine_batch import (
     LAYOUTS,
     KVStore,
@@ -55,7 +56,6 @@ from .engine_batch import (
     sample_block,
 )
 from .metrics import EngineMetrics
-from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
 
 
@@ -196,11 +196,11 @@ class DSparkEngine:
             while active. Defaults to `max_batch_size ×` the target's context length.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
             `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
-            `dspark_hf.engine_batch` and `docs/engine.md` for which is faster where).
+            `dspark_hf.decoding.engine_batch` and `docs/engine.md` for which is faster where).
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
         cpu_packing (`bool`, *optional*): run the target's and draft's CPU linears on packed weights (see
-            `dspark_hf.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
+            `dspark_hf.model.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
     """
 
     def __init__(
@@ -239,7 +239,7 @@ class DSparkEngine:
             )
             if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
                 if sps is None:
-                    from .sps import get_sps_profile
+                    from ..scheduling.sps import get_sps_profile
 
                     with packed_linears(target, enabled=self.cpu_packing):  # measured as it will run
                         sps = get_sps_profile(target)

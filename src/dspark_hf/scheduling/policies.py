@@ -448,7 +448,7 @@ def _sps_fn(profile: SPSProfile | None, context: ScheduleContext) -> Callable[[i
     if context.sps is None:
         raise ValueError(
             "The hardware-aware policy needs the target's SPS profile: pass HardwareAwarePolicy(sps=...) or let "
-            "generate() / the engine provide it (dspark_hf.sps.get_sps_profile(target))."
+            "generate() / the engine provide it (dspark_hf.scheduling.sps.get_sps_profile(target))."
         )
     return context.sps
 

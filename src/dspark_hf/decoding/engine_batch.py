@@ -1,7 +1,7 @@
 """The batched building blocks of [`DSparkEngine`]: ragged target forwards, batched drafting, per-row acceptance.
 
 Everything here works on *rows* (one per active request) whose lengths differ, and is free of scheduling
-and request bookkeeping (that is `dspark_hf.engine`):
+and request bookkeeping (that is `dspark_hf.decoding.engine`):
 
 * [`KVStore`] holds one request's keys/values (target or draft), one `[kv_heads, T, head_dim]` pair per
   layer, in buffers that grow by doubling up to the request's reservation, so memory stays bounded by it.
@@ -28,7 +28,7 @@ and request bookkeeping (that is `dspark_hf.engine`):
   γ per row, so only its context is padded).
 * [`sample_block`] is the sequential head, vectorised over rows, with each request's logits processors and
   random generator; [`accept_row`] applies greedy or rejection-sampling acceptance
-  (`dspark_hf.verification`) to one row. With a draft vocabulary subset (`draft.set_draft_vocab`) both
+  (`dspark_hf.decoding.verification`) to one row. With a draft vocabulary subset (`draft.set_draft_vocab`) both
   compute logits over the subset only, and `sample_block` expands them to the full vocabulary (`-inf`
   outside the subset) before the processors, exactly as `generate()` does.
 * [`build_processors`] and [`context_limit`] turn a request's sampling parameters and the target's config

@@ -131,7 +131,7 @@ class DSparkConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
-        from . import __version__
+        from .._version import __version__
 
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)

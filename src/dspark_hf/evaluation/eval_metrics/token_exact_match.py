@@ -1,7 +1,7 @@
 """Exact match of token-id sequences: the greedy-identity check of speculative decoding.
 
 Predictions and references are token ids written as space-joined strings (see
-`dspark_hf.eval_metrics.token_string`). The score is the fraction of identical sequences; for greedy
+`dspark_hf.evaluation.eval_metrics.token_string`). The score is the fraction of identical sequences; for greedy
 speculative decoding against the target alone it must be exactly 1.0.
 """
 

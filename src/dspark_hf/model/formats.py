@@ -133,25 +133,14 @@ def _load_weights(path_or_repo: str, revision: str | None, token: Any) -> dict[s
     return weights
 
 
-def load_deepspec_checkpoint(
-    path_or_repo: str,
-    revision: str | None = None,
-    token: Any = None,
-    dtype: torch.dtype | str | None = None,
-    target: Any = None,
-    **unused: Any,
-):
-    """Load a DeepSpec-format draft (folder or Hub id) as a [`DSparkDraftModel`].
+def read_deepspec_checkpoint(
+    path_or_repo: str, revision: str | None = None, token: Any = None
+) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """Read a DeepSpec-format draft (folder or Hub id) as a [`DSparkConfig`] and the draft's own weights.
 
-    Args:
-        path_or_repo (`str`): local folder or Hub repo id.
-        revision (`str`, *optional*): branch, tag or commit on the Hub.
-        token (*optional*): Hub token.
-        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
-        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    The frozen copies of the target's embedding and LM head are dropped (the draft binds the target's own).
+    [`load_deepspec_checkpoint`] builds the model from them.
     """
-    from .modeling import DSparkDraftModel
-
     path_or_repo = os.fspath(path_or_repo)
     cfg = _read_config(path_or_repo, revision, token)
     if cfg is None or not is_deepspec_config(cfg):
@@ -162,20 +151,7 @@ def load_deepspec_checkpoint(
     weights = {k.removeprefix("_orig_mod."): v for k, v in _load_weights(path_or_repo, revision, token).items()}
     for name in _TARGET_COPIES:
         weights.pop(name, None)
-    stored_dtype = next(iter(weights.values())).dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    draft = DSparkDraftModel(config).to(dtype or stored_dtype)
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"DeepSpec checkpoint {path_or_repo} does not match the draft architecture: missing {missing}, "
-            f"unexpected {unexpected}."
-        )
-    draft.eval()
-    if target is not None:
-        draft.bind_target(target)
-    return draft
+    return config, weights
 
 
 def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:

@@ -4,7 +4,7 @@
 at temperature 0, transformers' prompt lookup decoding, interleaved prompt by prompt, and returns an
 [`EvalReport`]: τ, acceptance per position (prefix survival and the paper's conditional acceptance), verified
 length, tokens/s and speedups measured in the same run, and the quality-parity checks (greedy identity,
-GSM8K accuracy, HumanEval pass@1) computed with the `evaluate` metric scripts of [`dspark_hf.eval_metrics`].
+GSM8K accuracy, HumanEval pass@1) computed with the `evaluate` metric scripts of [`dspark_hf.evaluation.eval_metrics`].
 `dspark eval` is the command line for it.
 
 Only the standard library and the package's light modules are imported here; torch, tqdm, `evaluate` and
@@ -21,13 +21,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .calibration import json_safe
+from ..scheduling.calibration import json_safe
 from .eval_metrics import load_metric, token_string
 from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
 
 PLAIN = "plain"
 PROMPT_LOOKUP = "prompt_lookup"
-#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.cpu_packing`): the same
+#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.model.cpu_packing`): the same
 #: kernels speculative decoding uses, so `speedup_vs_packed` isolates what speculation itself adds.
 PLAIN_PACKED = "plain_packed"
 #: Sets with a task metric: GSM8K answer accuracy and HumanEval pass@1.
@@ -399,7 +399,7 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("Evaluation plots need matplotlib: pip install 'dspark-hf[eval]'") from err
+        raise ImportError("Evaluation plots need matplotlib: pip install -e '.[eval]' in your dspark-hf clone") from err
     folder.mkdir(parents=True, exist_ok=True)
     summary, macro = report.summary(), report.macro()
     temps, sets, drafts = report.temperatures, report.sets, report.drafts
@@ -596,7 +596,7 @@ def evaluate_drafts(
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
         packed_baseline (`bool`, *optional*): also time plain `generate()` with the target's linears packed
-            (`"plain_packed"`, see `dspark_hf.cpu_packing`). Defaults to whether speculative decoding packs
+            (`"plain_packed"`, see `dspark_hf.model.cpu_packing`). Defaults to whether speculative decoding packs
             them here (on a CPU with packing enabled).
         task_metrics (`bool`, *optional*, defaults to `True`): score GSM8K / HumanEval replies.
         prompts (`Mapping[str, Sequence[PromptItem]]`, *optional*): use these prompts instead of loading `sets`.
@@ -608,8 +608,8 @@ def evaluate_drafts(
     import torch
     from tqdm.auto import tqdm
 
-    from .cpu_packing import cpu_packing_enabled, packed_linears
-    from .default_model import chat_inputs
+    from ..default_model import chat_inputs
+    from ..model.cpu_packing import cpu_packing_enabled, packed_linears
 
     reserved = {PLAIN, PROMPT_LOOKUP, PLAIN_PACKED} & set(drafts)
     if not drafts or reserved:

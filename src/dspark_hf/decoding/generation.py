@@ -32,10 +32,10 @@ from packaging import version
 from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .compat import check_target_compatibility
-from .cpu_packing import packed_linears
-from .modeling import DSparkCache, DSparkDraftModel
-from .scheduler import ScheduleContext, resolve_policy, survival_probabilities
+from ..model.compat import check_target_compatibility
+from ..model.cpu_packing import packed_linears
+from ..model.modeling import DSparkCache, DSparkDraftModel
+from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
 from .stats import GenerationStats, RoundStats
 
 # Selecting hidden states by index (unselected ones come back as None) saves memory; older releases only
@@ -98,7 +98,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
-            from .sps import get_sps_profile
+            from ..scheduling.sps import get_sps_profile
 
             self.schedule_context.sps = get_sps_profile(target).sps
         layers = [i + 1 for i in self.config.target_layer_ids]
@@ -393,7 +393,7 @@ def install_generate_hook() -> None:
         draft._call_policy = kwargs.pop("dspark_policy", None)
         try:
             # On a CPU, the target's and the draft's linears run on packed weights for this call, so that
-            # verifying k tokens costs about what one token does (see dspark_hf.cpu_packing).
+            # verifying k tokens costs about what one token does (see dspark_hf.model.cpu_packing).
             with packed_linears(self, draft):
                 return original_generate(self, *args, **kwargs)
         finally:

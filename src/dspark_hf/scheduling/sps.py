@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_packing import is_packed
+from ..model.cpu_packing import is_packed
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -156,13 +156,13 @@ def profile_sps(
 
 
 def _cache_path(target, context_length: int) -> Path:
-    from .default_model import cache_dir
+    from .._paths import cache_dir
 
     name = (getattr(target.config, "_name_or_path", "") or type(target).__name__).strip("/").replace("/", "--")
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
-    # packed CPU linears (dspark_hf.cpu_packing) change the cost curve's shape: a separate profile
+    # packed CPU linears (dspark_hf.model.cpu_packing) change the cost curve's shape: a separate profile
     packed = "-packed" if any(is_packed(m) for m in target.modules()) else ""
     fname = f"{name}-{device}-{dtype}-t{threads}{packed}-ctx{context_bucket(context_length)}.json"
     return cache_dir() / "sps" / fname

@@ -1,0 +1,1 @@
+"""Evaluating drafts: the harness, prompt sets and task metrics."""

@@ -1,0 +1,1 @@
+"""Which prefix to verify: verification policies, the SPS cost profile, confidence calibration."""
