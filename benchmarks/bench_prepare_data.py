@@ -1,6 +1,6 @@
 """Throughput of `dspark prepare-data` on the default target: the engine backend against batched `generate()`.
 
-Both backends answer the same training prompts (`dspark_hf.prompt_sets.training_prompts`: chat, code and math)
+Both backends answer the same training prompts (`dspark_hf.evaluation.prompt_sets.training_prompts`: chat, code and math)
 through `dspark_hf.train.prepare_data` itself, so the figure includes tokenization, the chat template and the
 JSONL writing. Runs are interleaved (engine, generate, engine, generate, ...) in one process and the medians
 over repeats are reported as generated tokens per second (each response through its end-of-turn token).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dspark_hf.default_model import load_default_target
-from dspark_hf.prompt_sets import training_prompts
+from dspark_hf.evaluation.prompt_sets import training_prompts
 from dspark_hf.train import PrepareDataArguments
 from dspark_hf.train import data as data_mod
 

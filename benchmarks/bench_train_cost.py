@@ -89,7 +89,7 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
         trainer_mod.target_log_partition = lambda *a, **kw: None
     layer_ids = [1, 8, 14, 20, 27] if not shipped else None
     if layer_ids is None:
-        from dspark_hf.configuration import default_target_layer_ids
+        from dspark_hf.model.configuration import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(target.config.num_hidden_layers)
     ids = ds[0][0][None]

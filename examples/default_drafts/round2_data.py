@@ -21,7 +21,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from dspark_hf.default_model import default_target_path
-from dspark_hf.prompt_sets import calibration_prompts, training_prompts
+from dspark_hf.evaluation.prompt_sets import calibration_prompts, training_prompts
 from dspark_hf.train.data import load_token_dataset
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -234,7 +234,7 @@ def engine_turn(
         `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation as in
         [`generate_turn`], and the number of tokens generated.
     """
-    from ..engine import SamplingParams
+    from ..decoding.engine import SamplingParams
 
     kw = args.chat_template_kwargs or {}
     stop = _stop_ids(engine.target, tokenizer)
@@ -373,7 +373,7 @@ def prepare_data(
     kw = args.chat_template_kwargs or {}
     engine = None
     if args.backend == "engine":
-        from ..engine import DSparkEngine
+        from ..decoding.engine import DSparkEngine
 
         # No tokenizer: responses are decoded once here, not after every token.
         engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size)
