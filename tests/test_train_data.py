@@ -173,7 +173,9 @@ def test_engine_backend_matches_one_at_a_time_decoding(tmp_path):
     (the same check as above, for every record). Sampling: each conversation turn has its own seed, so a
     conversation's responses do not depend on the chunk it was generated in."""
     tok, target = make_char_tokenizer(), make_chat_target()
-    path = prepare_data(_prep_args(tmp_path, do_sample=False, batch_size=8), target=target, tokenizer=tok)
+    path = prepare_data(
+        _prep_args(tmp_path, do_sample=False, batch_size=8, backend="engine"), target=target, tokenizer=tok
+    )
     records = [json.loads(line) for line in open(path)]
     assert len(records) == len(PROMPTS)
     checked = 0
@@ -192,9 +194,8 @@ def test_engine_backend_matches_one_at_a_time_decoding(tmp_path):
 
     sampled = {}
     for size in (1, 3, 8):
-        out = prepare_data(
-            _prep_args(tmp_path, output=str(tmp_path / f"s{size}.jsonl"), batch_size=size), target=target, tokenizer=tok
-        )
+        args = _prep_args(tmp_path, output=str(tmp_path / f"s{size}.jsonl"), batch_size=size, backend="engine")
+        out = prepare_data(args, target=target, tokenizer=tok)
         sampled[size] = [json.loads(line)["messages"] for line in open(out)]
     assert sampled[1] == sampled[3] == sampled[8]
     assert len({json.dumps(m) for m in sampled[8]}) == len(PROMPTS)  # not a constant answer
@@ -208,24 +209,26 @@ from dspark_hf.train import data as data_mod
 from dspark_hf.train.args import PrepareDataArguments
 from train_helpers import PROMPTS, make_char_tokenizer, make_chat_target
 
-out, kill_at = sys.argv[1], int(sys.argv[2])
+out, kill_at, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 calls = [0]
-original = data_mod.engine_turn
+name = "engine_turn" if backend == "engine" else "generate_turn"
+original = getattr(data_mod, name)
 def dying(*a, **kw):  # SIGKILL (no clean-up) in the middle of generating a chunk
     calls[0] += 1
     if calls[0] == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
     return original(*a, **kw)
-data_mod.engine_turn = dying
+setattr(data_mod, name, dying)
 args = PrepareDataArguments(output=out, max_new_tokens=12, batch_size=3, temperature=1.0, top_p=1.0, top_k=0,
-                            device="cpu", progress=False)
+                            device="cpu", progress=False, backend=backend)
 data_mod.prepare_data(args, target=make_chat_target(), tokenizer=make_char_tokenizer(), prompts=PROMPTS)
 """
 
 
-def test_prepare_data_killed_mid_chunk_resumes_to_the_same_file(tmp_path):
-    """A SIGKILLed prepare-data (engine backend) leaves the chunks it finished; rerunning the same command
-    completes the file byte-identically to an uninterrupted run."""
+@pytest.mark.parametrize("backend", ["engine", "generate"])
+def test_prepare_data_killed_mid_chunk_resumes_to_the_same_file(tmp_path, backend):
+    """A SIGKILLed prepare-data leaves the chunks it finished; rerunning the same command completes the file
+    byte-identically to an uninterrupted run."""
     import os
     from pathlib import Path
 
@@ -240,7 +243,11 @@ def test_prepare_data_killed_mid_chunk_resumes_to_the_same_file(tmp_path):
 
     def run(out, kill_at):
         proc = subprocess.run(
-            [sys.executable, str(driver), str(out), str(kill_at)], env=env, capture_output=True, text=True, timeout=240
+            [sys.executable, str(driver), str(out), str(kill_at), backend],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         return proc.returncode, proc.stderr
 

@@ -7,13 +7,13 @@ the target itself, with its chat template (design §5). The pipeline is:
    `{"messages": [...]}` or ShareGPT `{"conversations": [{"from", "value"}]}`) or the rows of a `datasets`
    dataset become conversations of system and user messages (given assistant turns are dropped).
 2. [`prepare_data`]: each user turn is answered in turn by the target, a chunk of `batch_size`
-   conversations at a time, and every finished chunk is appended to the output JSONL. The default backend is
-   the batched engine ([`DSparkEngine`] without a draft: each row stops costing compute when it finishes,
-   each conversation turn has its own seeded generator); `backend="generate"` uses one left-padded
-   `target.generate()` per chunk and turn instead (every row runs until the longest is done). A killed run
-   resumes where it stopped: chunks are fixed slices of the prompt list, and a chunk with a missing
-   conversation is regenerated whole with the same seeds, so the output is the same as an uninterrupted
-   run's.
+   conversations at a time, and every finished chunk is appended to the output JSONL. The default backend
+   runs one left-padded `target.generate()` per chunk and turn (every row runs until the longest is done);
+   `backend="engine"` uses the batched engine ([`DSparkEngine`] without a draft: each row stops costing
+   compute when it finishes, each conversation turn has its own seeded generator), which measured slower on
+   a CPU (the training guide has the figures). A killed run resumes where it stopped: chunks are fixed
+   slices of the prompt list, and a chunk with a missing conversation is regenerated whole with the same
+   seeds, so the output is the same as an uninterrupted run's.
 3. [`tokenize_conversation`]: the chat template renders the conversation; the text is tokenized piece by
    piece so that the loss mask marks exactly the assistant turns, through their end-of-turn token.
 4. [`load_token_dataset`]: the JSONL becomes a compact [`TokenDataset`] for training.
