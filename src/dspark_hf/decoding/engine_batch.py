@@ -50,6 +50,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from ..model.configuration import hidden_state_indices
 from .generation import _HIDDEN_STATES_BY_INDEX
 from .verification import greedy_accept, speculative_accept
 
@@ -272,7 +273,7 @@ def ragged_target_forward(
     cache = _filled_cache(data)
     kwargs = {_cache_kwarg(target): cache, "use_cache": True}
     if layer_ids:
-        kwargs["output_hidden_states"] = [i + 1 for i in layer_ids] if _HIDDEN_STATES_BY_INDEX else True
+        kwargs["output_hidden_states"] = hidden_state_indices(layer_ids) if _HIDDEN_STATES_BY_INDEX else True
     # Only the logits the caller needs go through the LM head (a prefill row needs just its last position).
     # `logits_to_keep` selects query positions shared by all batch rows.
     wanted = sorted({q0 + j for (_, q0, _), row_keep in zip(spans, keep) for j in row_keep})
@@ -286,7 +287,7 @@ def ragged_target_forward(
     logits = [out.logits[b, [column[q0 + j] for j in row_keep]] for (b, q0, _), row_keep in zip(spans, keep)]
     features = None
     if layer_ids:
-        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        feats = torch.cat([out.hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
         features = [feats[b, q0:q1] for b, q0, q1 in spans]
     new_kv = [
         [(layer.keys[b, :, past + q0 : past + q1], layer.values[b, :, past + q0 : past + q1]) for layer in cache.layers]

@@ -33,6 +33,7 @@ from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..model.compat import check_target_compatibility
+from ..model.configuration import hidden_state_indices
 from ..model.cpu_packing import packed_linears
 from ..model.modeling import DSparkCache, DSparkDraftModel
 from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
@@ -101,7 +102,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             from ..scheduling.sps import get_sps_profile
 
             self.schedule_context.sps = get_sps_profile(target).sps
-        layers = [i + 1 for i in self.config.target_layer_ids]
+        layers = hidden_state_indices(self.config.target_layer_ids)
         self.model_kwargs_overrides = {"output_hidden_states": layers if _HIDDEN_STATES_BY_INDEX else True}
         if draft.draft_vocab_ids is not None and int(draft.draft_vocab_ids.min()) < 0:
             raise ValueError(
@@ -192,7 +193,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None:
             raise RuntimeError("The target's forward returned no hidden_states; DSpark needs them for its context.")
-        feats = [hidden_states[i + 1][:, :n_new] for i in self.config.target_layer_ids]
+        feats = [hidden_states[i][:, :n_new] for i in hidden_state_indices(self.config.target_layer_ids)]
         if feats[0].shape[1] != n_new:
             raise RuntimeError(
                 f"Context bookkeeping error: {n_new} newly committed tokens but the target returned hidden "

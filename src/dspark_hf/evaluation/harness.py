@@ -282,6 +282,13 @@ def _on_device(config: dict) -> str:
     return "" if device == "cpu" else f" on {device}"
 
 
+def _policy_text(policy) -> str:
+    """The run's `policy` setting in words: one spec, `default` (generate()'s own choice), or one per method."""
+    if isinstance(policy, Mapping):
+        return ", ".join(f"{m}: {p or 'default'}" for m, p in policy.items())
+    return policy or "default"
+
+
 def _resolved_policies(report: EvalReport) -> str:
     """` (dspark: HardwareAwarePolicy(...))`: the policy each draft actually ran with, when recorded."""
     used = [f"{d}: {report.methods[d]['policy']}" for d in report.drafts if report.methods[d].get("policy")]
@@ -314,7 +321,7 @@ def _markdown(report: EvalReport) -> str:
         "# dspark eval",
         "",
         f"Target `{c.get('target')}` ({c.get('target_dtype')}{_on_device(c)}), drafts: {gammas}; "
-        f"policy `{c.get('policy') or 'default'}`{_resolved_policies(report)}, "
+        f"policy `{_policy_text(c.get('policy'))}`{_resolved_policies(report)}, "
         f"max {c.get('max_new_tokens')} new tokens, {c.get('repeats')} timed repeat(s), seed {c.get('seed')}, "
         f"{c.get('torch_threads')} torch threads. Prompts per set: "
         + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items())
@@ -562,7 +569,7 @@ def evaluate_drafts(
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 256,
     repeats: int = 1,
-    policy: str | None = None,
+    policy: str | Mapping[str, str | None] | None = None,
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -587,11 +594,12 @@ def evaluate_drafts(
             sampling at that temperature (no top-k / top-p).
         max_new_tokens (`int`, *optional*, defaults to 256): per generation.
         repeats (`int`, *optional*, defaults to 1): timed repeats per method and prompt; medians are used.
-        policy (`str`, *optional*): `dspark_policy` for every draft. `None` (the default) measures what users get:
-            each draft runs with the policy `generate()` picks for it without a `dspark_policy` argument (the
-            draft's own `policy`, else the product default, see [`resolve_policy`]); the policy each draft
-            ran with is recorded in `report.methods[name]["policy"]`. `"fixed"` verifies the whole block, so
-            τ is compared at full γ, as in the paper.
+        policy (`str` or `Mapping[str, str]`, *optional*): `dspark_policy` for every draft, or one per draft
+            name. `None` (the default, also as a mapping's value) measures what users get: the draft runs with
+            the policy `generate()` picks for it without a `dspark_policy` argument (the draft's own `policy`,
+            else the product default, see [`resolve_policy`]); the policy each draft ran with is recorded in
+            `report.methods[name]["policy"]`. `"fixed"` verifies the whole block, so τ is compared at full
+            γ, as in the paper.
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
@@ -642,8 +650,9 @@ def evaluate_drafts(
         kwargs = {"generation_config": lookup if method == PROMPT_LOOKUP else config}
         if method in drafts:
             kwargs["assistant_model"] = drafts[method]
-            if policy is not None:  # otherwise generate()'s own default, as a user gets it
-                kwargs["dspark_policy"] = policy
+            spec = policy.get(method) if isinstance(policy, Mapping) else policy
+            if spec is not None:  # otherwise generate()'s own default, as a user gets it
+                kwargs["dspark_policy"] = spec
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
@@ -699,7 +708,7 @@ def evaluate_drafts(
         "sampling": "plain temperature sampling (top_k=0, top_p=1.0); greedy at temperature 0",
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
-        "policy": policy,
+        "policy": dict(policy) if isinstance(policy, Mapping) else policy,
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
         "timing": "per prompt, methods interleaved in every repeat; tokens/s = new tokens / median seconds, summed",

@@ -32,6 +32,7 @@ import torch
 import transformers
 from packaging import version
 
+from ..model.configuration import hidden_state_indices
 from .data import TokenDataset
 
 # transformers >= 5.23 returns only the requested hidden states (the others as None), which saves memory.
@@ -65,7 +66,7 @@ def target_features(
 
     Layer `l` is `hidden_states[l + 1]` (entry 0 is the embedding output). The LM head is not applied here.
     """
-    wanted = [i + 1 for i in layer_ids]
+    wanted = hidden_state_indices(layer_ids)
     out = _decoder(target)(
         input_ids=input_ids,
         attention_mask=attention_mask,
