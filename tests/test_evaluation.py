@@ -381,7 +381,7 @@ def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
 def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
     """`--policy A B` runs every draft under each policy: the survival rule and DeepSpec's rule side by side."""
     pytest.importorskip("evaluate")
-    from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
 
     target, tok, draft = tiny
     target.save_pretrained(tmp_path / "target")
