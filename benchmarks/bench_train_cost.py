@@ -13,8 +13,13 @@ Reported per configuration:
 * `peak RSS`: the process's peak resident memory, and `Δ RSS` over the RSS after loading the target;
 * for the cache configuration, the cache size per token on disk.
 
+`--shipped` instead measures the shape of the shipped drafts (`examples/default_drafts/train_dspark.yaml`:
+one layer, Markov rank 64, an 8,192-token draft vocabulary, 48 anchors, batch 4, feature cache) on 256-token
+sequences, once with the training label over the full vocabulary (the trainer's) and once with the earlier
+label renormalised over the subset (`old-label`: no log-partition), to show what the fix costs per step.
+
 Usage:
-    python benchmarks/bench_train_cost.py [--steps 24] [--threads 2] [--out results.json]
+    python benchmarks/bench_train_cost.py [--steps 24] [--threads 2] [--shipped] [--out results.json]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ CONFIGS = [  # (sequence length, anchors per sequence, mode)
     (512, 64, "online"),
     (512, 64, "cache"),
 ]
+SHIPPED_CONFIGS = [(256, 48, "shipped"), (256, 48, "shipped-old-label")]
 
 
 def current_rss_mb() -> float:
@@ -70,9 +76,22 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
     torch.set_num_threads(threads)
     target, tok = load_default_target()
     rss_after_target = current_rss_mb()
-    ds = synthetic_dataset(tok, target.config.vocab_size, seq_len, count=steps)
-    model_args = ModelArguments()  # 2 draft layers, γ = 7, Markov rank 256, confidence head
-    layer_ids = [1, 8, 14, 20, 27]
+    shipped = mode.startswith("shipped")
+    batch = 4 if shipped else 1
+    ds = synthetic_dataset(tok, target.config.vocab_size, seq_len, count=steps * batch)
+    if shipped:  # examples/default_drafts/train_dspark.yaml
+        model_args = ModelArguments(num_hidden_layers=1, markov_rank=64, draft_vocab_size=8192)
+    else:
+        model_args = ModelArguments()  # 2 draft layers, γ = 7, Markov rank 256, confidence head
+    if mode == "shipped-old-label":  # the label before the fix: target renormalised over the subset
+        from dspark_hf.train import trainer as trainer_mod
+
+        trainer_mod.target_log_partition = lambda *a, **kw: None
+    layer_ids = [1, 8, 14, 20, 27] if not shipped else None
+    if layer_ids is None:
+        from dspark_hf.model.configuration import default_target_layer_ids
+
+        layer_ids = default_target_layer_ids(target.config.num_hidden_layers)
     ids = ds[0][0][None]
     for _ in range(2):
         target_features(target, layer_ids, ids)
@@ -84,7 +103,7 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
     result = {"seq_len": seq_len, "anchors": anchors, "mode": mode, "target_ms": target_ms}
     with tempfile.TemporaryDirectory() as tmp:
         cache_root = None
-        if mode == "cache":
+        if mode == "cache" or shipped:
             cache_root = Path(tmp) / "cache"
             t0 = time.perf_counter()
             FeatureCache.build(target, ds, layer_ids, cache_root, progress=False)
@@ -95,7 +114,13 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
         train(
             model_args,
             DataArguments(num_anchors=anchors, eval_ratio=0.0, feature_cache=str(cache_root) if cache_root else None),
-            TrainArguments(output_dir=str(Path(tmp) / "run"), max_steps=steps, report_to="none", progress=False),
+            TrainArguments(
+                output_dir=str(Path(tmp) / "run"),
+                max_steps=steps,
+                per_device_batch_size=batch,
+                report_to="none",
+                progress=False,
+            ),
             target=target,
             train_dataset=ds,
             callbacks=[lambda state: records.append(state.metrics)],
@@ -103,6 +128,8 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
         written = sum(p.stat().st_size for p in (Path(tmp) / "run").rglob("*") if p.is_file())
     timed = records[2:]
     result.update(
+        seconds_per_step=statistics.median(batch * seq_len / r["tokens_per_s"] for r in timed),
+        batch=batch,
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         ms_per_slot=1000 / statistics.median(r["slots_per_s"] for r in timed),
         slots_per_step=statistics.median(r["slots_per_s"] / r["tokens_per_s"] * seq_len for r in timed),
@@ -119,13 +146,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--shipped", action="store_true", help="the shipped drafts' shape, new vs old label")
     parser.add_argument("--one", nargs=3, metavar=("SEQ_LEN", "ANCHORS", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(int(args.one[0]), int(args.one[1]), args.one[2], args.steps, args.threads)))
         return
     rows = []
-    for seq_len, anchors, mode in CONFIGS:
+    for seq_len, anchors, mode in SHIPPED_CONFIGS if args.shipped else CONFIGS:
         cmd = [
             sys.executable,
             __file__,
@@ -142,7 +170,8 @@ def main() -> None:
         rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[-1]
         print(
-            f"T={seq_len:4d} N={anchors:3d} {mode:6s}: {r['tokens_per_s']:7.1f} tok/s  {r['ms_per_slot']:6.2f} ms/slot  "
+            f"T={seq_len:4d} N={anchors:3d} B={r['batch']} {mode:6s}: {r['seconds_per_step']:6.2f} s/step "
+            f"{r['tokens_per_s']:7.1f} tok/s  {r['ms_per_slot']:6.2f} ms/slot  "
             f"target fwd {r['target_ms']:6.1f} ms  peak RSS {r['peak_rss_mb']:6.0f} MB "
             f"(+{r['peak_rss_mb'] - r['rss_after_target_mb']:.0f} over target)"
             + (f"  cache {r['cache_bytes_per_token'] / 1024:.1f} KB/token" if mode == "cache" else ""),

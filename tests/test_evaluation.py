@@ -26,6 +26,7 @@ from dspark_hf.evaluation.harness import (
     PLAIN_PACKED,
     PROMPT_LOOKUP,
     EvalReport,
+    PromptRun,
     acceptance_curves,
     evaluate_drafts,
     paired_accuracy_test,
@@ -81,6 +82,59 @@ def test_conditional_acceptance_is_the_survival_ratio_under_the_fixed_policy():
     curves = acceptance_curves(pairs, block_size=5)
     s = [1.0, *curves["prefix_survival"]]
     assert _close(curves["conditional_acceptance"], [s[k] / s[k - 1] for k in range(1, 6)])
+
+
+def _report_from_rounds(per_set: dict[str, list[tuple[int, int]]], gamma: int = 3) -> EvalReport:
+    """A report with one prompt per set whose draft run had exactly these `(verified, accepted)` rounds."""
+    methods = {PLAIN: {"kind": "plain"}, "d": {"kind": "draft", "block_size": gamma}}
+    runs = []
+    for name, rounds in per_set.items():
+        runs.append(PromptRun(name, "p", 0.0, PLAIN, [1.0], [1] * 10, "x"))
+        runs.append(PromptRun(name, "p", 0.0, "d", [0.5], [1] * 10, "x", rounds))
+    return EvalReport({"policy": None}, methods, runs)
+
+
+@pytest.mark.parametrize(
+    "per_set, conditional, reached, per_set_mean",
+    [
+        # set a: 2 rounds reach k=2 and both accept it; set b: 50 reach k=2, 10 accept it
+        (
+            {"a": [(3, 2)] * 2, "b": [(3, 0)] * 50 + [(3, 1)] * 40 + [(3, 2)] * 10},
+            [52 / 102, 12 / 52, 0 / 12],
+            [102, 52, 12],
+            [(1.0 + 0.5) / 2, (1.0 + 0.2) / 2, 0.0],
+        ),
+        # set b never reaches k=3 (NaN there): pooling uses set a's rounds alone, per-set mean skipped b too
+        (
+            {"a": [(3, 3)] * 4, "b": [(2, 0)] * 30 + [(2, 2)] * 10},
+            [14 / 44, 14 / 14, 4 / 4],
+            [44, 14, 4],
+            [(1.0 + 0.25) / 2, (1.0 + 1.0) / 2, 1.0],
+        ),
+    ],
+)
+def test_macro_acceptance_curves_pool_rounds_across_sets(per_set, conditional, reached, per_set_mean):
+    report = _report_from_rounds(per_set)
+    macro = report.macro()["0"]["d"]
+    assert _close(macro["conditional_acceptance"], conditional)
+    assert macro["reached"] == reached and macro["rounds"] == sum(len(r) for r in per_set.values())
+    pooled = acceptance_curves([x for r in per_set.values() for x in r], 3)
+    assert _close(macro["prefix_survival"], pooled["prefix_survival"])
+    assert macro["verified_at"] == pooled["verified_at"]
+    # Negative control: averaging the per-set curves (the old macro) gives other numbers here.
+    summary = report.summary()
+    old = [
+        sum(x for x in col if not math.isnan(x)) / sum(not math.isnan(x) for x in col)
+        for col in zip(*(summary[s]["0"]["d"]["conditional_acceptance"] for s in per_set))
+    ]
+    assert _close(old, per_set_mean)
+    assert not _close(old, conditional)
+    # τ stays a per-set macro average (each set counts once); the counts are in the Markdown.
+    taus = [summary[s]["0"]["d"]["tau"] for s in per_set]
+    assert macro["tau"] == pytest.approx(sum(taus) / len(taus))
+    md = report.to_markdown()
+    assert "pooled over the rounds of all sets" in md
+    assert "| d: rounds | " + " | ".join(str(n) for n in reached) + " |" in md
 
 
 def test_paired_accuracy_test():
@@ -242,6 +296,41 @@ def test_report_files(report, tmp_path):
     assert EvalReport.from_json(data).to_markdown() == md  # a saved report re-renders identically
 
 
+def test_evaluate_drafts_measures_the_policy_generate_uses_by_default(tiny):
+    """Without `policy`, every draft runs with the policy a plain `generate(assistant_model=draft)` picks: here
+    the draft's own `policy` (2 tokens per round), not the whole block that `policy="fixed"` verifies."""
+    target, tok, _ = tiny
+    draft = make_aligned_draft(target, block_size=4)
+    draft.policy = "fixed:2"
+    prompts = {"mine": [PromptItem("mine", "p0", "count to three")]}
+    common = dict(prompts=prompts, max_new_tokens=10, temperatures=(0.0,), prompt_lookup=False)
+    common.update(task_metrics=False, packed_baseline=False, progress=False)
+    default = evaluate_drafts(target, tok, {"d": draft}, **common)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "count to three"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    target.generate(ids, assistant_model=draft, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    users_policy = draft.last_generation_stats.policy
+    assert default.config["policy"] is None and default.methods["d"]["policy"] == users_policy
+    assert default.summary()["mine"]["0"]["d"]["mean_verified"] <= 2
+    fixed = evaluate_drafts(target, tok, {"d": draft}, policy="fixed", **common)
+    assert fixed.methods["d"]["policy"] != users_policy
+    assert fixed.summary()["mine"]["0"]["d"]["mean_verified"] > 2
+    assert f"d: {users_policy}" in default.to_markdown()
+
+
+def test_cli_eval_defaults_to_generates_policy():
+    import argparse
+
+    from dspark_hf.commands.eval import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).policy is None
+    assert parser.parse_args(["--policy", "fixed"]).policy == ["fixed"]
+
+
 def test_evaluate_drafts_rejects_reserved_names(tiny):
     target, tok, draft = tiny
     with pytest.raises(ValueError, match="none named 'plain'"):
@@ -292,7 +381,7 @@ def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
 def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
     """`--policy A B` runs every draft under each policy: the survival rule and DeepSpec's rule side by side."""
     pytest.importorskip("evaluate")
-    from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
 
     target, tok, draft = tiny
     target.save_pretrained(tmp_path / "target")

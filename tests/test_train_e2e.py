@@ -180,6 +180,28 @@ def test_dflash_baseline_and_only_draft_parameters_train(tiny, tmp_path):
     assert line["loss"] == pytest.approx(line["ce"]) and line["bce"] == 0.0  # CE only
 
 
+def test_training_from_a_calibrated_draft_saves_it_uncalibrated(tiny, tmp_path):
+    """Training changes the confidences, so a draft resumed from calibrated weights must not keep the old
+    temperatures (the hardware-aware policy would trust them): it is saved uncalibrated."""
+    _, data = tiny
+    target = make_chat_target()
+    torch.manual_seed(0)
+    start = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16)
+    start.config.confidence_calibrated = True
+    start.config.calibration_temperatures = [0.5, 0.7, 0.9, 1.1]
+    start.save_pretrained(tmp_path / "start")
+    train(
+        ModelArguments(init_from=str(tmp_path / "start")),
+        DataArguments(train_data=str(data), num_anchors=8, eval_ratio=0.0),
+        TrainArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to="none", progress=False),
+        target=target,
+    )
+    saved = DSparkDraftModel.from_pretrained(str(tmp_path / "run"), target=target)
+    assert saved.config.confidence_calibrated is False
+    assert saved.config.calibration_temperatures == [1.0] * 4
+    assert DSparkDraftModel.from_pretrained(str(tmp_path / "start"), target=target).config.confidence_calibrated
+
+
 def test_example_train_tiny_runs(tmp_path, monkeypatch, capsys):
     example = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
     monkeypatch.setattr("sys.argv", [str(example), "--steps", "10", "--out", str(tmp_path)])

@@ -36,11 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         nargs="+",
-        default=["fixed"],
+        default=None,
         help=(
-            "dspark_policy for every draft (default 'fixed': the whole block is verified, so τ compares at full γ). "
-            "Several policies run each draft under each, as methods NAME@POLICY, e.g. --policy threshold:0.7 "
-            "confidence_threshold:0.7 (the survival rule and DeepSpec's rule)"
+            "dspark_policy for every draft (default: none given, so each draft runs with the policy generate() "
+            "uses by default, which is what users get; 'fixed' verifies the whole block, so τ compares at full γ). "
+            "Several policies run each draft under each, as methods NAME@POLICY, e.g. --policy default fixed, or "
+            "--policy threshold:0.7 confidence_threshold:0.7 (the survival rule and DeepSpec's rule); 'default' "
+            "names generate()'s own choice"
         ),
     )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
@@ -118,15 +120,17 @@ def main(args: argparse.Namespace) -> int:
             f"note: {', '.join(fresh)} is a fresh, untrained draft (no trained draft for this target, or 'fresh' "
             "asked for): almost every drafted token is rejected, so τ stays near 1. Outputs are still exact."
         )
-    policy = args.policy[0]
-    if len(args.policy) > 1:  # one method per (draft, policy); the same draft object serves all its policies
+    specs_given = args.policy or ["default"]
+    policy = None if specs_given[0] == "default" else specs_given[0]
+    if len(specs_given) > 1:  # one method per (draft, policy); the same draft object serves all its policies
         from ..scheduling.policies import resolve_policy
 
-        for spec in args.policy:  # fail before loading any prompt
-            resolve_policy(spec, has_confidence=True)
-        named = {f"{name}@{spec}": (name, spec) for name in drafts for spec in args.policy}
+        for spec in specs_given:  # fail before loading any prompt
+            if spec != "default":
+                resolve_policy(spec, has_confidence=True)
+        named = {f"{name}@{spec}": (name, spec) for name in drafts for spec in specs_given}
         drafts = {method: drafts[name] for method, (name, _) in named.items()}
-        policy = {method: spec for method, (_, spec) in named.items()}
+        policy = {method: None if spec == "default" else spec for method, (_, spec) in named.items()}
         specs = [(method, dict(specs)[name]) for method, (name, _) in named.items()]
         fresh = [method for method, (name, _) in named.items() if name in fresh]
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None

@@ -202,7 +202,13 @@ class EvalReport:
         return out
 
     def macro(self, summary: dict | None = None) -> dict:
-        """`{temperature: {method: metrics}}`: the unweighted mean over sets (curves averaged per position)."""
+        """`{temperature: {method: metrics}}` over sets.
+
+        Tokens/s, speedups, τ and the verification means are the unweighted mean over sets (each set counts
+        once). The acceptance curves pool the rounds of all sets ([`acceptance_curves`] over their union),
+        with their counts `reached` / `verified_at` / `rounds`: averaging per-set curves would count a
+        position reached by 2 rounds in one set as much as one reached by hundreds in another.
+        """
         summary = summary or self.summary()
         out = {}
         for temp in self.temperatures:
@@ -215,8 +221,10 @@ class EvalReport:
                 if self.methods[method]["kind"] == "draft":
                     for key in ("tau", "mean_verified", "verify_rate", "mean_accepted"):
                         agg[key] = _nanmean(c[key] for c in cells)
-                    for key in ("prefix_survival", "conditional_acceptance"):
-                        agg[key] = [_nanmean(values) for values in zip(*(c[key] for c in cells))]
+                    rounds = [x for s in self.sets for r in self._select(s, temp, method) for x in r.rounds]
+                    pooled = acceptance_curves(rounds, self.methods[method]["block_size"])
+                    for key in ("prefix_survival", "conditional_acceptance", "reached", "verified_at", "rounds"):
+                        agg[key] = pooled[key]
                 out.setdefault(temp, {})[method] = agg
         return out
 
@@ -274,6 +282,19 @@ def _on_device(config: dict) -> str:
     return "" if device == "cpu" else f" on {device}"
 
 
+def _policy_text(policy) -> str:
+    """The run's `policy` setting in words: one spec, `default` (generate()'s own choice), or one per method."""
+    if isinstance(policy, Mapping):
+        return ", ".join(f"{m}: {p or 'default'}" for m, p in policy.items())
+    return policy or "default"
+
+
+def _resolved_policies(report: EvalReport) -> str:
+    """` (dspark: HardwareAwarePolicy(...))`: the policy each draft actually ran with, when recorded."""
+    used = [f"{d}: {report.methods[d]['policy']}" for d in report.drafts if report.methods[d].get("policy")]
+    return f" ({'; '.join(used)})" if used else ""
+
+
 def _label(method: str) -> str:
     return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)"}.get(method, method)
 
@@ -300,7 +321,7 @@ def _markdown(report: EvalReport) -> str:
         "# dspark eval",
         "",
         f"Target `{c.get('target')}` ({c.get('target_dtype')}{_on_device(c)}), drafts: {gammas}; "
-        f"policy `{c.get('policy')}`, "
+        f"policy `{_policy_text(c.get('policy'))}`{_resolved_policies(report)}, "
         f"max {c.get('max_new_tokens')} new tokens, {c.get('repeats')} timed repeat(s), seed {c.get('seed')}, "
         f"{c.get('torch_threads')} torch threads. Prompts per set: "
         + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items())
@@ -327,15 +348,16 @@ def _markdown(report: EvalReport) -> str:
             ]
             out.append(_speed_table(report.sets, summary, macro[temp], temp, PLAIN_PACKED, "speedup_vs_packed", rest))
         gamma = max(report.methods[d]["block_size"] for d in drafts)
-        for key, title in (
-            ("conditional_acceptance", "Conditional acceptance P(k accepted | 1..k−1 accepted), macro average"),
-            ("prefix_survival", "Prefix survival P(1..k all accepted), macro average"),
+        for key, count, title in (
+            ("conditional_acceptance", "reached", "Conditional acceptance P(k accepted | 1..k−1 accepted)"),
+            ("prefix_survival", "verified_at", "Prefix survival P(1..k all accepted)"),
         ):
-            out += ["", f"### {title}", ""]
-            rows = [
-                [d] + [_fmt(v) for v in macro[temp][d][key]] + ["–"] * (gamma - len(macro[temp][d][key]))
-                for d in drafts
-            ]
+            out += ["", f"### {title}, pooled over the rounds of all sets", ""]
+            rows = []
+            for d in drafts:
+                pad = ["–"] * (gamma - len(macro[temp][d][key]))
+                rows.append([d] + [_fmt(v) for v in macro[temp][d][key]] + pad)
+                rows.append([f"{d}: rounds"] + [str(n) for n in macro[temp][d][count]] + pad)
             out.append(_table(["draft", *(f"k={k}" for k in range(1, gamma + 1))], rows))
         out += ["", "### Verification, macro average", ""]
         rows = [
@@ -416,7 +438,7 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
                         ("prefix_survival", "P(1..k all accepted)")):  # fmt: skip
         fig, axes = grid(1, len(temps), 4.5, 3.8)
         for ax, temp in zip(axes[0], temps):
-            curve_panel(ax, macro[temp], key, f"T={temp}, mean over {len(sets)} set(s)")
+            curve_panel(ax, macro[temp], key, f"T={temp}, rounds of {len(sets)} set(s) pooled")
         axes[0][0].set_ylabel(ylabel)
         save(fig, f"{key}.png")
 
@@ -547,7 +569,7 @@ def evaluate_drafts(
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 256,
     repeats: int = 1,
-    policy: str | Mapping[str, str] | None = "fixed",
+    policy: str | Mapping[str, str | None] | None = None,
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -572,9 +594,12 @@ def evaluate_drafts(
             sampling at that temperature (no top-k / top-p).
         max_new_tokens (`int`, *optional*, defaults to 256): per generation.
         repeats (`int`, *optional*, defaults to 1): timed repeats per method and prompt; medians are used.
-        policy (`str` or `Mapping[str, str]`, *optional*, defaults to `"fixed"`): `dspark_policy` for every
-            draft, or one per draft name; `"fixed"` verifies the whole block so τ is compared at full γ, as in
-            the paper.
+        policy (`str` or `Mapping[str, str]`, *optional*): `dspark_policy` for every draft, or one per draft
+            name. `None` (the default, also as a mapping's value) measures what users get: the draft runs with
+            the policy `generate()` picks for it without a `dspark_policy` argument (the draft's own `policy`,
+            else the product default, see [`resolve_policy`]); the policy each draft ran with is recorded in
+            `report.methods[name]["policy"]`. `"fixed"` verifies the whole block, so τ is compared at full
+            γ, as in the paper.
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
@@ -624,9 +649,10 @@ def evaluate_drafts(
         config, lookup = configs
         kwargs = {"generation_config": lookup if method == PROMPT_LOOKUP else config}
         if method in drafts:
-            kwargs.update(
-                assistant_model=drafts[method], dspark_policy=policy[method] if isinstance(policy, Mapping) else policy
-            )
+            kwargs["assistant_model"] = drafts[method]
+            spec = policy.get(method) if isinstance(policy, Mapping) else policy
+            if spec is not None:  # otherwise generate()'s own default, as a user gets it
+                kwargs["dspark_policy"] = spec
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
@@ -646,6 +672,10 @@ def evaluate_drafts(
             for method in methods:
                 if method != PROMPT_LOOKUP or temp == 0:
                     run_once(warm, method, configs, seed)
+    for name, draft in drafts.items():  # the policy each draft runs with (its warm-up run resolved it)
+        stats = getattr(draft, "last_generation_stats", None) if first is not None else None
+        if stats is not None:
+            methods[name]["policy"] = stats.policy
 
     runs = []
     for set_name, rows in items.items():

@@ -27,7 +27,7 @@ from .args import (
     parse_args,
 )
 from .data import TokenDataset, load_token_dataset, prepare_data, to_conversation, tokenize_conversation
-from .features import FeatureCache, TargetFeatures, target_features, target_logits
+from .features import FeatureCache, TargetFeatures, target_features, target_log_partition, target_logits
 from .lora import apply_lora, load_draft_with_adapter, merge_adapter
 from .losses import (
     Blocks,
@@ -66,6 +66,7 @@ __all__ = [
     "prepare_data",
     "sample_anchors",
     "target_features",
+    "target_log_partition",
     "target_logits",
     "to_conversation",
     "tokenize_conversation",

@@ -78,7 +78,18 @@ class PrepareDataArguments:
     max_prompts: int | None = field(default=None, metadata={"help": "use only the first N prompts."})
     max_turns: int | None = field(default=None, metadata={"help": "answer at most N user turns per conversation."})
     system_prompt: str | None = field(default=None, metadata={"help": "system message prepended when none is given."})
-    batch_size: int = field(default=8, metadata={"help": "conversations generated together (left-padded)."})
+    backend: str = field(
+        default="generate",
+        metadata={
+            "help": "'generate' (one left-padded target.generate() per chunk and turn; the faster one measured on "
+            "a CPU, see the training guide) or 'engine' (the batched DSparkEngine without a draft: finished rows "
+            "stop costing compute, one seeded generator per conversation turn)."
+        },
+    )
+    batch_size: int = field(
+        default=8,
+        metadata={"help": "conversations generated together (one chunk; a resumed run redoes a partial chunk)."},
+    )
     max_new_tokens: int = field(default=512, metadata={"help": "longest response per turn."})
     do_sample: bool = field(default=True, metadata={"help": "sample the responses (true) or decode greedily (false)."})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DeepSpec: 0.7)."})
@@ -98,6 +109,8 @@ class PrepareDataArguments:
         for name in ("batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareDataArguments.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.backend not in ("engine", "generate"):
+            raise ValueError(f"PrepareDataArguments.backend must be 'engine' or 'generate', got {self.backend!r}.")
 
 
 # ---------------------------------------------------------------------- dspark train

@@ -6,10 +6,14 @@ the target itself, with its chat template (design §5). The pipeline is:
 1. [`load_prompt_rows`] / [`to_conversation`]: JSONL lines (a bare string, `{"prompt": ...}`,
    `{"messages": [...]}` or ShareGPT `{"conversations": [{"from", "value"}]}`) or the rows of a `datasets`
    dataset become conversations of system and user messages (given assistant turns are dropped).
-2. [`prepare_data`]: each user turn is answered in turn by the target (batched, left-padded, seeded per
-   batch), and every finished conversation is appended to the output JSONL. A killed run resumes where it
-   stopped: batches are fixed chunks of the prompt list, and a chunk with a missing conversation is
-   regenerated with the same seed, so the output is the same as an uninterrupted run's.
+2. [`prepare_data`]: each user turn is answered in turn by the target, a chunk of `batch_size`
+   conversations at a time, and every finished chunk is appended to the output JSONL. The default backend
+   runs one left-padded `target.generate()` per chunk and turn (every row runs until the longest is done);
+   `backend="engine"` uses the batched engine ([`DSparkEngine`] without a draft: each row stops costing
+   compute when it finishes, each conversation turn has its own seeded generator), which measured slower on
+   a CPU (the training guide has the figures). A killed run resumes where it stopped: chunks are fixed
+   slices of the prompt list, and a chunk with a missing conversation is regenerated whole with the same
+   seeds, so the output is the same as an uninterrupted run's.
 3. [`tokenize_conversation`]: the chat template renders the conversation; the text is tokenized piece by
    piece so that the loss mask marks exactly the assistant turns, through their end-of-turn token.
 4. [`load_token_dataset`]: the JSONL becomes a compact [`TokenDataset`] for training.
@@ -20,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -170,12 +176,13 @@ def _stop_ids(target, tokenizer) -> list[int]:
 
 def generate_turn(
     target, tokenizer, conversations: list[list[dict]], args: PrepareDataArguments
-) -> list[tuple[str, str]]:
+) -> tuple[list[tuple[str, str]], int]:
     """Answer the last user message of each conversation with the target (one batched `generate`).
 
     Returns:
-        `list[tuple[str, str]]`: `(response_text, finish_reason)` per conversation, finish reason `"stop"`
-        (an end-of-turn token) or `"length"` (`max_new_tokens` reached).
+        `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation, finish reason
+        `"stop"` (an end-of-turn token) or `"length"` (`max_new_tokens` reached); and the number of tokens
+        generated (each row through its stop token; the padding after it is not counted).
     """
     from transformers import GenerationConfig
 
@@ -201,18 +208,84 @@ def generate_turn(
     )
     with torch.no_grad():
         out = target.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-    results = []
+    results, generated = [], 0
     for row in out[:, width:].tolist():
         cut = next((j for j, t in enumerate(row) if t in stop), None)
         tokens = row if cut is None else row[:cut]
+        generated += len(row) if cut is None else cut + 1
         results.append((tokenizer.decode(tokens, skip_special_tokens=True), "length" if cut is None else "stop"))
-    return results
+    return results, generated
+
+
+def turn_seed(seed: int, index: int, turn: int) -> int:
+    """Seed of the generator that samples turn `turn` of conversation `index` (the engine backend)."""
+    return (seed * 1_000_003 + index * 104_729 + turn * 7_919) % (2**62)
+
+
+def engine_turn(
+    engine, tokenizer, conversations: list[list[dict]], args: PrepareDataArguments, seeds: list[int]
+) -> tuple[list[tuple[str, str]], int]:
+    """Answer the last user message of each conversation with a plain (draft-less) [`DSparkEngine`].
+
+    Every request samples with its own generator (`seeds[j]`), so its tokens do not depend on which other
+    requests share the batch (up to the kernels' batch variance, see the training guide).
+
+    Returns:
+        `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation as in
+        [`generate_turn`], and the number of tokens generated.
+    """
+    from ..decoding.engine import SamplingParams
+
+    kw = args.chat_template_kwargs or {}
+    stop = _stop_ids(engine.target, tokenizer)
+    if not stop:
+        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
+    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
+    params = [
+        SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature if args.do_sample else 1.0,
+            top_k=args.top_k if args.do_sample else None,
+            top_p=args.top_p if args.do_sample else None,
+            eos_token_id=stop,
+            seed=seed,
+        )
+        for seed in seeds
+    ]
+    results, generated = [], 0
+    for out in engine.generate(prompts, params):
+        if not out.ok:
+            raise ValueError(f"prepare-data could not generate a response: {out.error}")
+        tokens = out.token_ids
+        generated += len(tokens)
+        stopped = bool(tokens) and tokens[-1] in stop
+        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+        results.append((text, "stop" if stopped else "length"))
+    return results, generated
 
 
 def regenerate_conversations(
-    target, tokenizer, conversations: list[list[dict]], args: PrepareDataArguments, seed: int
+    target,
+    tokenizer,
+    conversations: list[list[dict]],
+    args: PrepareDataArguments,
+    seed: int,
+    *,
+    engine=None,
+    indices: list[int] | None = None,
+    counter: list[int] | None = None,
 ) -> list[tuple[list[dict], list[str]]]:
-    """Answer every user turn of each conversation in order; earlier answers become the later turns' history."""
+    """Answer every user turn of each conversation in order; earlier answers become the later turns' history.
+
+    Args:
+        engine ([`DSparkEngine`], *optional*): decode with this draft-less engine (turn `t` of conversation
+            `indices[j]` samples with [`turn_seed`]`(seed, indices[j], t)`); by default one batched
+            `target.generate()` per turn after `torch.manual_seed(seed)`.
+        indices (`list[int]`, *optional*): the conversations' indices in the prompt list (default `0..n-1`).
+        counter (`list[int]`, *optional*): `counter[0]` is increased by the number of tokens generated.
+    """
+    indices = list(range(len(conversations))) if indices is None else indices
     torch.manual_seed(seed)
     histories: list[list[dict]] = [[] for _ in conversations]
     reasons: list[list[str]] = [[] for _ in conversations]
@@ -228,7 +301,16 @@ def regenerate_conversations(
                 active.append(j)
         if not active:
             break
-        for j, (text, reason) in zip(active, generate_turn(target, tokenizer, [histories[j] for j in active], args)):
+        batch = [histories[j] for j in active]
+        if engine is not None:
+            answers, generated = engine_turn(
+                engine, tokenizer, batch, args, [turn_seed(args.seed, indices[j], turn) for j in active]
+            )
+        else:
+            answers, generated = generate_turn(target, tokenizer, batch, args)
+        if counter is not None:
+            counter[0] += generated
+        for j, (text, reason) in zip(active, answers):
             histories[j].append({"role": "assistant", "content": text})
             reasons[j].append(reason)
         turn += 1
@@ -289,6 +371,12 @@ def prepare_data(
         out.unlink()
     done = _read_done(out)
     kw = args.chat_template_kwargs or {}
+    engine = None
+    if args.backend == "engine":
+        from ..decoding.engine import DSparkEngine
+
+        # No tokenizer: responses are decoded once here, not after every token.
+        engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size)
     bar = tqdm(
         total=len(conversations),
         initial=len(done & set(range(len(conversations)))),
@@ -296,15 +384,23 @@ def prepare_data(
         disable=not args.progress,
         unit="conv",
     )
+    counter, started = [0], time.perf_counter()
     for start in range(0, len(conversations), args.batch_size):
         chunk = list(range(start, min(start + args.batch_size, len(conversations))))
         missing = [i for i in chunk if i not in done]
         if not missing:
             continue
-        # The whole chunk is regenerated (same seed, same batch) so a resumed run writes what an
+        # The whole chunk is regenerated (same seeds, same batch) so a resumed run writes what an
         # uninterrupted one would have.
         results = regenerate_conversations(
-            target, tokenizer, [conversations[i] for i in chunk], args, args.seed + start
+            target,
+            tokenizer,
+            [conversations[i] for i in chunk],
+            args,
+            args.seed + start,
+            engine=engine,
+            indices=chunk,
+            counter=counter,
         )
         lines = []
         for i, (messages, reasons) in zip(chunk, results):
@@ -324,7 +420,15 @@ def prepare_data(
             os.fsync(f.fileno())
         done.update(missing)
         bar.update(len(missing))
+        bar.set_postfix(tokens_per_s=f"{counter[0] / (time.perf_counter() - started):.1f}")
     bar.close()
+    elapsed = time.perf_counter() - started
+    if args.progress and counter[0]:
+        print(
+            f"prepare-data ({args.backend}): {counter[0]} tokens generated in {elapsed:.1f} s "
+            f"({counter[0] / elapsed:.1f} tokens/s, chunks of {args.batch_size})",
+            file=sys.stderr,
+        )
     return str(out)
 
 

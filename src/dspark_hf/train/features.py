@@ -12,7 +12,11 @@ from one forward pass of the target's decoder:
   bf16), so it pays off only for repeated runs over the same data.
 
 The LM head is applied only at the positions that are actually trained ([`target_logits`]), never to the
-whole `[T, V]` sequence.
+whole `[T, V]` sequence. With a draft vocabulary subset `S` the logits are computed over `S` only, and the
+full vocabulary enters through one number per position, its log-partition `log Σ_v exp(z_v)`
+([`target_log_partition`]): `p_v = exp(z_v − log Z)` for `v ∈ S` is then the target's *full* distribution
+restricted to `S` (it sums to the target's mass on `S`, not to 1), which is what verification compares the
+draft with.
 """
 
 from __future__ import annotations
@@ -78,8 +82,9 @@ def target_logits(
 ) -> torch.Tensor:
     """The target's logits at `positions` (`[B, S]`) from final hidden states `[B, T, d]` → `[B, S, V]`, ≥ fp32.
 
-    With `vocab_ids` (`[K]`) only those columns: `[B, S, K]` (their softmax is the target's distribution
-    renormalised over the subset).
+    With `vocab_ids` (`[K]`) only those columns: `[B, S, K]`. Their softmax would be the target's
+    distribution renormalised over the subset, which overstates acceptance; subtract
+    [`target_log_partition`] instead to get the full distribution's probabilities on the subset.
     """
     gathered = torch.gather(final, 1, positions[..., None].expand(-1, -1, final.shape[-1]))
     head = target.get_output_embeddings()
@@ -91,6 +96,31 @@ def target_logits(
             bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
             logits = torch.nn.functional.linear(gathered.to(head.weight.dtype), head.weight[ids], bias)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+@torch.no_grad()
+def target_log_partition(
+    target, final: torch.Tensor, positions: torch.Tensor, *, chunk_size: int = 256
+) -> torch.Tensor:
+    """The target's full-vocabulary log-partition `log Σ_v exp(z_v)` at `positions` (`[B, S]`) → `[B, S]`, fp32.
+
+    Block slots overlap (slot `k` of anchor `a` and slot `k−1` of anchor `a+1` read the same position), so it is
+    computed once per distinct `(row, position)`, `chunk_size` positions at a time: the `[chunk_size, V]` logits
+    are the largest tensor, never `[B, S, V]`.
+    """
+    bsz, seq_len, hidden = final.shape
+    flat = (torch.arange(bsz, device=positions.device)[:, None] * seq_len + positions).reshape(-1)
+    unique, inverse = torch.unique(flat, return_inverse=True)
+    rows = final.reshape(bsz * seq_len, hidden)[unique.to(final.device)]
+    values = torch.cat([_log_partition_rows(target, rows[i : i + chunk_size]) for i in range(0, len(rows), chunk_size)])
+    return values[inverse.to(values.device)].reshape(positions.shape)
+
+
+def _log_partition_rows(target, rows: torch.Tensor) -> torch.Tensor:
+    """`log Σ_v exp(z_v)` of the LM head's logits for final hidden states `rows` (`[n, d]`) → `[n]`, fp32."""
+    head = target.get_output_embeddings()
+    logits = head(rows.to(head.weight.dtype))
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
 def pad_features(items: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> TargetFeatures:

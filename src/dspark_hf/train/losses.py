@@ -10,8 +10,17 @@ The losses (design §5), each a mean weighted by `w_k = exp(-k / decay)` over th
 
 * `CE`: cross-entropy of the sequential-head-corrected logits on the ground-truth token;
 * `L1 = ‖q_k − p_k‖₁` between the draft's and the target's full temperature-1 distributions (fp32), i.e.
-  twice the total variation; `1 − ½·L1` is exactly the probability that rejection sampling accepts the slot;
+  twice the total variation; `1 − ½·L1 = Σ_v min(q_v, p_v)` is exactly the probability that rejection
+  sampling accepts the slot;
 * `BCE`: the confidence logit against that acceptance probability (clamped to [0, 1], detached).
+
+With a draft vocabulary subset `S` the draft's `q` lives on `S` (it is 0 elsewhere) and the target's logits
+are given over `S` only, together with the target's full-vocabulary log-partition per slot. Then
+`p_v = exp(z_v − log Z)` on `S` is the target's full distribution there and the mass outside `S`,
+`1 − Σ_S p_v`, is where `q` is 0, so `L1 = Σ_S |q_v − p_v| + (1 − Σ_S p_v)` is the full-vocabulary distance
+and `1 − ½·L1 = Σ_S min(q_v, p_v)` the exact acceptance, as verification computes it. (Without the
+log-partition, the softmax over `S` would renormalise the target to `S` and overstate acceptance by up to its
+mass outside `S`.)
 
 `total = 0.1·CE + 0.9·L1 + 1.0·BCE` by default. [`acceptance_estimates`] turns the per-slot total variation
 into `accept@k ≈ 1 − TV_k` and `τ_est = 1 + Σ_k Π_{i≤k} accept@i`.
@@ -127,6 +136,8 @@ class LossOutput:
         tv_sum (`torch.Tensor` of shape `(γ,)`): sum over valid slots of `TV = ½·L1`, per block position.
         count (`torch.Tensor` of shape `(γ,)`): number of valid slots per block position.
         weight_sum (`torch.Tensor`): `Σ w` over valid slots (the normaliser).
+        accept (`torch.Tensor` of shape `(B, S)`): per-slot acceptance probability `1 − ½·L1` clamped to
+            [0, 1] (detached): the confidence head's label, and what `tv_sum` averages (as `1 − accept`).
     """
 
     loss: torch.Tensor
@@ -136,6 +147,7 @@ class LossOutput:
     tv_sum: torch.Tensor
     count: torch.Tensor
     weight_sum: torch.Tensor
+    accept: torch.Tensor
 
 
 def dspark_loss(
@@ -146,6 +158,7 @@ def dspark_loss(
     confidence_logits: torch.Tensor | None = None,
     *,
     block_size: int,
+    target_log_partition: torch.Tensor | None = None,
     decay: float = 4.0,
     ce_weight: float = 0.1,
     l1_weight: float = 0.9,
@@ -155,12 +168,18 @@ def dspark_loss(
 
     Args:
         logits (`torch.Tensor` of shape `(B, S, V)`): the draft's corrected logits `U_k + B_k`.
-        target_logits (`torch.Tensor` of shape `(B, S, V)`): the target's logits predicting the same labels.
+        target_logits (`torch.Tensor` of shape `(B, S, V)`): the target's logits predicting the same labels
+            (with a draft vocabulary subset: the subset's columns, `V = K`).
         labels (`torch.LongTensor` of shape `(B, S)`): ground-truth tokens (`IGNORE_INDEX` = no CE term, e.g.
             a token outside the draft vocabulary subset; the L1 and BCE terms still count).
         valid (`torch.BoolTensor` of shape `(B, S)`): slots that count (see [`build_blocks`]).
         confidence_logits (`torch.Tensor` of shape `(B, S)`, *optional*): the confidence head's logits.
         block_size (`int`): γ; `S` must be a multiple of it.
+        target_log_partition (`torch.Tensor` of shape `(B, S)`, *optional*): the target's log-partition over
+            its *full* vocabulary at each slot, when `target_logits` holds only a subset's columns (see
+            `train.features.target_log_partition`). Then `p = exp(target_logits − target_log_partition)` is the
+            full distribution on the subset and the L1, the acceptance estimates and the confidence label are
+            the full-vocabulary ones. `None`: `target_logits` covers the whole vocabulary (`p` is its softmax).
         decay (`float`, *optional*, defaults to 4.0): position weights `exp(-k / decay)`.
         ce_weight, l1_weight, bce_weight (`float`, *optional*): defaults 0.1, 0.9, 1.0. DFlash uses 1, 0, 0.
 
@@ -180,8 +199,15 @@ def dspark_loss(
     # so they are computed even when l1_weight is 0 (DFlash), for logging.
     q = torch.softmax(logits, dim=-1)
     with torch.no_grad():
-        p = torch.softmax(target_logits.float(), dim=-1)
+        if target_log_partition is None:
+            p = torch.softmax(target_logits.float(), dim=-1)
+            outside = None
+        else:  # the full distribution on the subset; the rest of its mass lies where q is 0
+            p = torch.exp(target_logits.float() - target_log_partition.float()[..., None])
+            outside = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
     l1 = (q - p).abs().sum(dim=-1)
+    if outside is not None:
+        l1 = l1 + outside
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
     ce_loss = (w * ce).sum() / norm
     l1_loss = (w * l1).sum() / norm
@@ -201,6 +227,7 @@ def dspark_loss(
         tv_sum=tv.sum(dim=(0, 1)),
         count=counts.sum(dim=(0, 1)),
         weight_sum=w_sum.detach(),
+        accept=accept,
     )
 
 

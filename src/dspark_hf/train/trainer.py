@@ -31,7 +31,7 @@ from ..model.vocab import frequent_token_ids
 from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, require
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset
-from .features import FeatureCache, pad_features, target_features, target_logits
+from .features import FeatureCache, pad_features, target_features, target_log_partition, target_logits
 from .losses import IGNORE_INDEX, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
@@ -152,6 +152,8 @@ class _BlockStep:
                 **({"restrict_vocab": True} if subset else {}),
             )
         t_logits = target_logits(self.target, feats.final, blocks.target_positions, self.vocab_ids)
+        # Over a subset, the full vocabulary's log-partition makes p the target's full distribution on it.
+        log_z = target_log_partition(self.target, feats.final, blocks.target_positions) if subset else None
         labels = self.label_index.to(blocks.labels.device)[blocks.labels] if subset else blocks.labels
         a = self.train_args
         loss = dspark_loss(
@@ -161,6 +163,7 @@ class _BlockStep:
             blocks.valid,
             out.confidence_logits,
             block_size=self.gamma,
+            target_log_partition=log_z,
             decay=a.loss_decay,
             ce_weight=a.ce_weight,
             l1_weight=a.l1_weight,
@@ -169,16 +172,25 @@ class _BlockStep:
         return loss, int(attention.sum())
 
 
+def _uncalibrated(draft: DSparkDraftModel) -> DSparkDraftModel:
+    """Drop a starting draft's confidence calibration: training changes what the confidences mean, so the
+    trained draft is saved as uncalibrated (run `dspark calibrate` on it again) instead of carrying stale
+    temperatures that the hardware-aware policy would trust."""
+    draft.config.confidence_calibrated = False
+    draft.config.calibration_temperatures = [1.0] * draft.config.block_size
+    return draft
+
+
 def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
     if lora_args.lora:
         if model_args.init_from is None:
             raise ValueError("LoRA fine-tuning adapts an existing draft: pass --init_from <draft folder or Hub id>.")
         from .lora import apply_lora
 
-        draft = DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float()
+        draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
         return apply_lora(draft, lora_args, base_path=model_args.init_from)
     if model_args.init_from is not None:
-        return DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float()
+        return _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
     return DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
 
