@@ -3,13 +3,15 @@
 Every `import`/`from ... import` of a `dspark_hf` module counts, at module level or inside a function (a
 function-level import that hides an upward arrow is still an upward arrow). The stages, bottom first:
 
-    _version, _paths, _transformers   helpers that import nothing of ours
+    _version, _paths, _transformers,  helpers that import nothing of ours
+    extras
     model/                            the draft model, its formats and Hub helpers, CPU packing
     scheduling/, default_model        policies/SPS/calibration; the offline default target and shipped drafts
     decoding/                         the draft round, the generate() adapter, the engine
     train/, evaluation/               on top of the model and decoding
     demo; the root (public API)       the Gradio app; `dspark_hf/__init__.py`
-    commands/, cli                    the `dspark` CLI, on top of the public API
+    commands/                         the `dspark` subcommands, on top of the public API
+    cli                               the `dspark` entry point
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ STAGE = {
     "_version": 0,
     "_paths": 0,
     "_transformers": 0,
+    "extras": 0,
     "model": 1,
     "scheduling": 2,
     "default_model": 2,
@@ -34,7 +37,7 @@ STAGE = {
     "demo": 5,
     "": 6,  # dspark_hf/__init__.py: the public API imports every stage below it
     "commands": 7,  # `dspark ...` subcommands may use the public API
-    "cli": 7,
+    "cli": 8,  # the entry point, on top of its subcommands
 }
 
 

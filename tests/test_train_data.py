@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -206,7 +207,7 @@ def test_yaml_config_with_command_line_override(tmp_path):
 
 
 def test_missing_optional_dependency_names_the_extra():
-    with pytest.raises(ImportError, match=r"dspark-hf\[train\]"):
+    with pytest.raises(ImportError, match=re.escape("pip install -e '.[train]'")):
         require("surely_not_an_installed_module_xyz")
 
 

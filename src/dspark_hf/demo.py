@@ -511,7 +511,7 @@ def _import_gradio():
         import gradio as gr
     except ImportError as err:
         raise ImportError(
-            "The demo needs gradio, which is an optional extra: pip install 'dspark-hf[demo]' "
+            "The demo needs gradio, which is an optional extra: pip install -e '.[demo]' in your dspark-hf clone "
             "(or pip install 'gradio>=5.0')."
         ) from err
     return gr

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ._common import UserError, existing_file, model_source
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", required=True, help="draft folder or Hub id")
@@ -31,7 +33,10 @@ def main(args: argparse.Namespace) -> int:
     from dspark_hf.train.data import load_prompt_rows, to_conversation
 
     if not 0.0 < args.held_out_fraction < 1.0:
-        raise SystemExit(f"--held-out-fraction must be in (0, 1), got {args.held_out_fraction}")
+        raise UserError(f"--held-out-fraction must be in (0, 1), got {args.held_out_fraction}")
+    model_source(args.draft, "--draft")
+    model_source(args.target, "--target")
+    existing_file(args.prompts, "--prompts")
     draft = DSparkDraftModel.from_pretrained(args.draft)
     target_id = args.target or draft.config.target_name_or_path
     if target_id in (None, DEFAULT_TARGET_HUB_ID):
@@ -44,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
 
     rows = load_prompt_rows(args.prompts)[: args.max_prompts]
     if len(rows) < 4:
-        raise SystemExit(f"{args.prompts} has {len(rows)} prompt(s); calibration needs at least 4 (more is better).")
+        raise UserError(f"{args.prompts} has {len(rows)} prompt(s); calibration needs at least 4 (more is better).")
     inputs = [
         tokenizer.apply_chat_template(
             _first_turn(to_conversation(r)), add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import UserError, model_source
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
@@ -13,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft path, Hub id or shipped draft name (default: the shipped draft, else fresh)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=int, default=7860, help="port to serve on (default: 7860)")
     parser.add_argument(
         "--share", action="store_true", help="also open a public gradio.live link (off by default: nothing public)"
     )
@@ -25,18 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark_hf.default_model import load_draft, load_target
+    from dspark_hf.default_model import SHIPPED_DRAFTS, load_draft, load_target
     from dspark_hf.demo import Caps, _import_gradio, build_app
 
     _import_gradio()  # fail before loading models if the extra is missing
     try:
         caps = Caps(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap)
     except ValueError as err:
-        raise SystemExit(f"dspark demo: {err}") from err
+        raise UserError(str(err)) from err
     if args.threads:
         torch.set_num_threads(args.threads)
+    model_source(args.target, "--target")
+    model_source(args.draft, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
     target, tokenizer = load_target(args.target)
     draft, fresh = load_draft(target, args.draft)
     app = build_app(target, tokenizer, draft, fresh=fresh, caps=caps)
-    app.launch(server_name=args.host, server_port=args.port, share=args.share)
+    # Gradio's own banner tells Python users to "set share=True in launch()"; a CLI user needs --share instead
+    print(
+        f"dspark demo: serving on http://{args.host}:{args.port}"
+        + (" and a public gradio.live link" if args.share else " (add --share for a public gradio.live link)"),
+        flush=True,
+    )
+    app.launch(server_name=args.host, server_port=args.port, share=args.share, quiet=not args.share)
     return 0

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..evaluation.prompt_sets import EVAL_SETS
+from ._common import UserError, model_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="score GSM8K answers and HumanEval pass@1 with and without speculation",
     )
-    parser.add_argument("--output", default="dspark-eval", help="folder for results.json, results.md and plots")
+    parser.add_argument(
+        "--output", default="dspark-eval", help="folder for results.json, results.md and plots (default: ./dspark-eval)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -77,9 +80,9 @@ def parse_draft_specs(specs: list[str] | None) -> list[tuple[str, str | None]]:
         if not sep:
             name, path = Path(spec.rstrip("/")).name or spec, spec
         if not name or not path:
-            raise SystemExit(f"--draft {spec!r}: expected NAME=PATH (e.g. dspark=./my-draft) or a PATH.")
+            raise UserError(f"--draft {spec!r}: expected NAME=PATH (e.g. dspark=./my-draft) or a PATH.")
         if name in {n for n, _ in out}:
-            raise SystemExit(f"--draft: the name {name!r} is used twice; name each draft differently (NAME=PATH).")
+            raise UserError(f"--draft: the name {name!r} is used twice; name each draft differently (NAME=PATH).")
         out.append((name, path))
     return out
 
@@ -87,13 +90,16 @@ def parse_draft_specs(specs: list[str] | None) -> list[tuple[str, str | None]]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..default_model import load_draft, load_target
+    from ..default_model import SHIPPED_DRAFTS, load_draft, load_target
     from ..evaluation.harness import evaluate_drafts
     from ..evaluation.prompt_sets import load_prompt_file
 
     if args.repeats < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        raise SystemExit("--repeats, --max-new-tokens and --limit must be >= 1")
+        raise UserError("--repeats, --max-new-tokens and --limit must be >= 1")
     specs = parse_draft_specs(args.draft)
+    model_source(args.target, "--target")
+    for _, path in specs:
+        model_source(path, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)

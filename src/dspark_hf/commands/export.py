@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import UserError, model_source
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("draft", help="draft folder or Hub id")
@@ -18,10 +20,12 @@ def main(args: argparse.Namespace) -> int:
 
     from dspark_hf import DSparkDraftModel, export_deepspec
 
+    model_source(args.draft, "draft")
+    model_source(args.target, "--target")
     draft = DSparkDraftModel.from_pretrained(args.draft)
     target_id = args.target or draft.config.target_name_or_path
     if target_id is None:
-        raise SystemExit("The draft records no target; pass --target (its embedding and LM head are exported too).")
+        raise UserError("The draft records no target; pass --target (its embedding and LM head are exported too).")
     target = AutoModelForCausalLM.from_pretrained(target_id)
     export_deepspec(draft, args.output, target=target, dtype=getattr(torch, args.dtype))
     print(f"wrote DeepSpec-format draft to {args.output}")

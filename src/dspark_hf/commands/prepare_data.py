@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dspark_hf.train.args import PREPARE_ARGUMENT_TYPES, build_argument_parser
@@ -21,7 +23,7 @@ def main(args: argparse.Namespace) -> int:
 
     (prepare_args,) = args_from_namespace(PREPARE_ARGUMENT_TYPES, args)
     if prepare_args.prompts is None or prepare_args.output is None:
-        raise SystemExit("dspark prepare-data needs --prompts (JSONL file or datasets name) and --output (JSONL).")
+        raise UserError("dspark prepare-data needs --prompts (JSONL file or datasets name) and --output (JSONL).")
     path = prepare_data(prepare_args)
     print(f"wrote {path}")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ._common import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo_id", help="draft repo on the Hub (dspark-hf or DeepSpec format)")
@@ -20,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     from dspark_hf.model.hub import draft_format, pull_draft
 
     if args.convert and not args.local_dir:
-        raise SystemExit("--convert needs --local-dir: the converted draft is written there, not into the HF cache.")
+        raise UserError("--convert needs --local-dir: the converted draft is written there, not into the HF cache.")
     path = pull_draft(args.repo_id, revision=args.revision, local_dir=args.local_dir, token=args.token)
     fmt = draft_format(path)
     if args.convert or args.target:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ._common import UserError, model_source
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -38,7 +40,7 @@ def _read_data_file(path: str, what: str):
             text = f.read()
         return json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as e:
-        raise SystemExit(f"Could not read {what} from {path!r}: {e}. Give a JSON (.json) or YAML file.") from e
+        raise UserError(f"Could not read {what} from {path!r}: {e}. Give a JSON (.json) or YAML file.") from e
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,11 +50,13 @@ def main(args: argparse.Namespace) -> int:
     from dspark_hf import DSparkDraftModel
     from dspark_hf.model.hub import push_draft
 
+    model_source(args.draft, "draft")
+    model_source(args.target, "--target")
     draft = DSparkDraftModel.from_pretrained(args.draft)
     target = None
     target_id = args.target or (draft.config.target_name_or_path if args.format == "deepspec" else None)
     if args.format == "deepspec" and target_id is None:
-        raise SystemExit(
+        raise UserError(
             "--format deepspec stores the target's embedding and LM head, but the draft records no target. "
             "Pass --target PATH_OR_HUB_ID (the causal LM the draft was built for)."
         )

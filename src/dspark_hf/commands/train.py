@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dspark_hf.train.args import TRAIN_ARGUMENT_TYPES, build_argument_parser
@@ -22,7 +24,7 @@ def main(args: argparse.Namespace) -> int:
 
     model_args, data_args, train_args, lora_args = args_from_namespace(TRAIN_ARGUMENT_TYPES, args)
     if train_args.output_dir is None:
-        raise SystemExit("dspark train needs --output_dir (where checkpoints, logs and the draft are written).")
+        raise UserError("dspark train needs --output_dir (where checkpoints, logs and the draft are written).")
     result = train(model_args, data_args, train_args, lora_args)
     if not result.is_main_process:  # under `accelerate launch`, report once
         return 0

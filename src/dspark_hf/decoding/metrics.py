@@ -2,7 +2,7 @@
 
 [`EngineMetrics`] is plain data the engine updates once per round; nothing here measures anything itself.
 `to_dict()` is JSON-ready; `to_prometheus()` renders the Prometheus text exposition format, through
-`prometheus_client` when it is installed (`pip install dspark-hf[serve]`) and with a small built-in
+`prometheus_client` when it is installed (`pip install -e '.[serve]' in your dspark-hf clone`) and with a small built-in
 formatter otherwise, so `/metrics` endpoints work either way.
 """
 

@@ -384,7 +384,7 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("Evaluation plots need matplotlib: pip install 'dspark-hf[eval]'") from err
+        raise ImportError("Evaluation plots need matplotlib: pip install -e '.[eval]' in your dspark-hf clone") from err
     folder.mkdir(parents=True, exist_ok=True)
     summary, macro = report.summary(), report.macro()
     temps, sets, drafts = report.temperatures, report.sets, report.drafts

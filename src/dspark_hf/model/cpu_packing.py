@@ -77,9 +77,16 @@ def _eligible(module: nn.Module) -> bool:
         and "forward" not in module.__dict__  # already hooked (accelerate offload, another packing)
         and isinstance(weight, torch.Tensor)
         and weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _bf16_packing_supported()))
         and weight.layout == torch.strided
     )
+
+
+def _bf16_packing_supported() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere bf16 linears
+    keep the stock kernel (the packing call would raise)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:

