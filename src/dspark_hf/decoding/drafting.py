@@ -59,16 +59,21 @@ def may_exclude_subset(processors) -> bool:
     return any(not isinstance(p, _SUBSET_SAFE_PROCESSORS) for p in processors or ())
 
 
-def exponential_race(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def exponential_race(
+    logits: torch.Tensor, generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row drawn from `softmax(logits)` without a host sync: `argmax(p / E)` with `E ~ Exp(1)`.
 
     The index of the smallest `E_i / p_i` is distributed as `p` (competing exponential clocks), so this is an
-    exact draw; rows with `-inf` logits (`p_i = 0`) never win. `logits`: `[R, V]` → tokens `[R]`.
+    exact draw; rows with `-inf` logits (`p_i = 0`) never win. `logits`: `[R, V]` → tokens `[R]`. The noise
+    `E` is drawn from `generator`, or given (`noise`, `[R, V]`: a graph-captured step takes it as an input,
+    since a traced graph cannot hold a generator).
     """
     probs = torch.softmax(logits.double(), dim=-1)
-    device = generator.device if generator is not None else probs.device
-    noise = torch.empty(probs.shape, dtype=probs.dtype, device=device).exponential_(generator=generator)
-    return (probs / noise.to(probs.device)).argmax(dim=-1)
+    if noise is None:
+        device = generator.device if generator is not None else probs.device
+        noise = torch.empty(probs.shape, dtype=probs.dtype, device=device).exponential_(generator=generator)
+    return (probs / noise.to(probs.device, probs.dtype)).argmax(dim=-1)
 
 
 class SequenceSampler:
@@ -79,13 +84,17 @@ class SequenceSampler:
         input_ids (`torch.LongTensor` of shape `(1, T)`): the sequence so far (what the processors read).
         do_sample (`bool`): exponential-race draw, else argmax.
         generator (`torch.Generator`, *optional*): the draft's random source.
+        noise (`torch.Tensor` of shape `(R, γ, V)`, *optional*): `Exp(1)` noise for the block's draws, instead
+            of drawing it from `generator` position by position (for a graph-captured step).
     """
 
-    def __init__(self, processors, input_ids: torch.Tensor, do_sample: bool, generator=None) -> None:
+    def __init__(self, processors, input_ids: torch.Tensor, do_sample: bool, generator=None, noise=None) -> None:
         self.processors = processors or None
         self.seq = input_ids
         self.do_sample = do_sample
         self.generator = generator
+        self.noise = noise
+        self.position = 0
         self.may_exclude_subset = may_exclude_subset(self.processors)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
@@ -95,10 +104,12 @@ class SequenceSampler:
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
-            return exponential_race(logits, self.generator)
+            noise = self.noise[:, self.position] if self.noise is not None else None
+            return exponential_race(logits, self.generator, noise)
         return logits.argmax(dim=-1)
 
     def push(self, tokens: torch.Tensor) -> None:
+        self.position += 1
         if self.processors:
             self.seq = torch.cat([self.seq, tokens[:, None].to(self.seq.device)], dim=-1)
 
