@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from .._transformers import commit_hash
+
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 
 
@@ -270,8 +272,8 @@ class DSparkConfig(PreTrainedConfig):
             "rms_norm_eps": getattr(tcfg, "rms_norm_eps", 1e-6),
             "rope_theta": float(rope_theta),
             "max_position_embeddings": getattr(tcfg, "max_position_embeddings", 32768),
-            "target_name_or_path": getattr(tcfg, "_name_or_path", None) or None,
-            "target_revision": getattr(tcfg, "_commit_hash", None),
+            "target_name_or_path": getattr(tcfg, "name_or_path", None) or None,
+            "target_revision": commit_hash(tcfg),
             "target_hidden_size": tcfg.hidden_size,
             "target_vocab_size": tcfg.vocab_size,
             "target_num_hidden_layers": tcfg.num_hidden_layers,

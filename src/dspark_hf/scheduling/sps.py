@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._transformers import model_name
 from ..model.cpu_packing import is_packed
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -144,7 +145,7 @@ def profile_sps(
             cache.crop(-count)  # back to the shared context (positive crop counts are refused in 5.24)
         seconds[count] = statistics.median(timings)
     meta = {
-        "model": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        "model": model_name(target),
         "device": str(device),
         "dtype": str(target.dtype),
         "context_length": context_length,
@@ -158,7 +159,7 @@ def profile_sps(
 def _cache_path(target, context_length: int) -> Path:
     from .._paths import cache_dir
 
-    name = (getattr(target.config, "_name_or_path", "") or type(target).__name__).strip("/").replace("/", "--")
+    name = model_name(target).strip("/").replace("/", "--")
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
