@@ -57,12 +57,7 @@ EXCLUDED_TOP = 8  # the "excluding" subset leaves out the target's 8 most freque
 SAMPLING_SUBSET = [0, 1, 3]  # token 2 of the 4-token target is never drafted
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- API
