@@ -7,6 +7,8 @@ share one memory, so this counter tracks a *placement* for every tensor, as it w
 
 * tensors built from host data without a `device` argument (`torch.tensor([...])`, `torch.zeros(n)`, …),
   the result of `.cpu()`, and anything computed from host tensors only, are **host** tensors;
+* a `device=` argument that was read off a host tensor (`device=host_tensor.device`, as the policies write)
+  keeps the result on the host;
 * everything else — parameters, model outputs, the prompt, factories called with `device=`, and anything
   computed from at least one device tensor — is a **device** tensor.
 
@@ -34,6 +36,7 @@ _FACTORIES = {
     "eye", "randperm", "tril_indices", "triu_indices",
 }  # fmt: skip
 _FROM_DATA = {"tensor", "as_tensor"}
+_DEVICE_DESCRIPTOR = torch.Tensor.device
 
 
 def _tensors(obj):
@@ -47,11 +50,6 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-def _has_device_arg(args, kwargs) -> bool:
-    """A `device=` keyword, or (for `.to(...)`) a device given positionally."""
-    return kwargs.get("device") is not None or any(isinstance(a, (torch.device, str)) for a in args)
-
-
 class SyncCounter(TorchFunctionMode):
     """`with SyncCounter() as c: ...` then `c.total`, `c.by_site` (`(kind, "file:line") → count`)."""
 
@@ -61,14 +59,17 @@ class SyncCounter(TorchFunctionMode):
         self.by_site: collections.Counter = collections.Counter()
         self.extra_files = tuple(str(Path(f).resolve()) for f in extra_files)
         self.enabled = True
+        self.host_devices: dict[int, torch.device] = {}  # `.device` objects read off host tensors (kept alive)
 
     @property
     def total(self) -> int:
         return sum(self.by_site.values())
 
     def _site(self) -> str | None:
-        frame = sys._getframe(2)
-        while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        frame = sys._getframe(1)
+        while frame is not None and (
+            frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH)
+        ):  # this counter's own frames, then torch's (e.g. Tensor.__index__ wrappers)
             frame = frame.f_back
         if frame is None:
             return None
@@ -80,6 +81,12 @@ class SyncCounter(TorchFunctionMode):
     def _count(self, kind: str) -> None:
         if self.enabled and (site := self._site()) is not None:
             self.by_site[(kind, site)] += 1
+
+    def _names_device(self, args, kwargs) -> bool:
+        """A device argument that is not one read off a host tensor."""
+        given = [kwargs.get("device")] + [a for a in args if isinstance(a, (torch.device, str))]
+        given = [d for d in given if d is not None]
+        return any(id(d) not in self.host_devices or self.host_devices[id(d)] is not d for d in given)
 
     def _is_host(self, t: torch.Tensor) -> bool:
         ref = self.host.get(id(t))
@@ -95,11 +102,15 @@ class SyncCounter(TorchFunctionMode):
         if name in _READS and inputs and not self._is_host(inputs[0]):
             self._count(name)
         out = func(*args, **kwargs)
+        if getattr(func, "__self__", None) is _DEVICE_DESCRIPTOR:  # `t.device`
+            if inputs and self._is_host(inputs[0]):
+                self.host_devices[id(out)] = out
+            return out
         outputs = list(_tensors(out))
         if not outputs:
             return out
         if name in _FACTORIES:
-            on_device = _has_device_arg((), kwargs)
+            on_device = self._names_device((), kwargs)
             if name in _FROM_DATA and on_device and not any(isinstance(a, torch.Tensor) for a in args[:1]):
                 self._count("h2d:" + name)
             host = not on_device
@@ -107,7 +118,7 @@ class SyncCounter(TorchFunctionMode):
             if inputs and not self._is_host(inputs[0]):
                 self._count("cpu")
             host = True
-        elif name == "to" and _has_device_arg(args[1:], kwargs):
+        elif name == "to" and self._names_device(args[1:], kwargs):
             src_host = bool(inputs) and self._is_host(inputs[0])
             if src_host:
                 self._count("h2d:to")

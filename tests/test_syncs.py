@@ -79,6 +79,7 @@ def test_generate_reads_the_device_once_per_round(target, gamma, do_sample):
     per_round, counter, rounds = _generate_syncs(target, draft, do_sample)
     # one-off setup reads (e.g. the draft vocabulary check) are spread over the rounds; allow 2 in total
     assert counter.total <= rounds + 2, (per_round, counter.by_site)
+    assert counter.total >= rounds, "the counter must see the round's one read (the packed copy)"
 
 
 @pytest.mark.parametrize("gamma", [4, 8])
@@ -116,7 +117,10 @@ def _engine_syncs(target, draft, rows: int, do_sample: bool, extra_files=()) -> 
     return counter.total / engine.metrics.rounds, counter
 
 
-ENGINE_BOUND = 8  # per round, whatever R
+# Per round, whatever R: anchors and (ragged contexts) lengths to the device for the draft, the one packed read
+# of the drafted block, the target forward's ids / mask / positions / logits_to_keep built on the host, and the
+# greedy acceptance (lengths in, one read out). Step 3 of issue 15 (masks built on the device) lowers it.
+ENGINE_BOUND = 9
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16])
@@ -125,6 +129,7 @@ def test_engine_syncs_per_round_do_not_grow_with_rows(target, rows):
     draft.guessed_path = False
     per_round, counter = _engine_syncs(target, draft, rows, do_sample=False)
     assert per_round <= ENGINE_BOUND, (rows, per_round, counter.by_site)
+    assert per_round >= 1, "the counter must see the round's reads"
 
 
 def test_engine_syncs_have_power(target, monkeypatch):
