@@ -35,8 +35,12 @@ def make_target(
     context_scale: float = 0.05,
     logit_scale: float = 1.0,
     dtype: torch.dtype = torch.float64,
+    **config_overrides,
 ):
-    """A tiny random causal LM; fp64 by default so batched and step-wise forwards agree to ~1e-15."""
+    """A tiny random causal LM; fp64 by default so batched and step-wise forwards agree to ~1e-15.
+
+    `config_overrides` go to the config class (e.g. `rope_parameters=...`, `hidden_act="gelu"`).
+    """
     torch.manual_seed(seed)
     config_cls, model_cls = ARCHS[arch]
     extra = {"head_dim": hidden_size // 4} if arch == "qwen3" else {}
@@ -52,7 +56,7 @@ def make_target(
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        **extra,
+        **{**extra, **config_overrides},
     )
     model = model_cls(config).eval()
     with torch.no_grad():

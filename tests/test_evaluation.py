@@ -4,6 +4,7 @@ evaluation on a tiny target, through the API and the CLI."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -286,6 +287,36 @@ def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
     assert data["config"]["sets"] == {"mine": 2} and data["config"]["target_dtype"] == "float32"  # saved as float64
     assert data["config"]["device"] == "cpu"
     assert data["quality"]["greedy_identity"]["mine"]["aligned"]["exact_match"] == 1.0
+
+
+def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
+    """`--policy A B` runs every draft under each policy: the survival rule and DeepSpec's rule side by side."""
+    pytest.importorskip("evaluate")
+    from dspark_hf.prompt_sets import PromptItem, save_prompt_file
+
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft = copy.deepcopy(draft)
+    with torch.no_grad():  # confidence 0.9 at every position, as in the issue's example
+        draft.confidence_head.proj.weight.zero_()
+        draft.confidence_head.proj.bias.fill_(math.log(9.0))
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = save_prompt_file([PromptItem("mine", "p0", "count to three")], tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
+    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "16", "--temperatures", "0"]
+    argv += ["--policy", "threshold:0.7", "confidence_threshold:0.7", "--output", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    survival, deepspec = "aligned@threshold:0.7", "aligned@confidence_threshold:0.7"
+    assert data["config"]["policy"] == {survival: "threshold:0.7", deepspec: "confidence_threshold:0.7"}
+    for method in (survival, deepspec):
+        assert data["quality"]["greedy_identity"]["mine"][method]["exact_match"] == 1.0
+    verified = {r["method"]: [v for v, _ in r["rounds"]] for r in data["runs"] if r["method"] in (survival, deepspec)}
+    # block of 4 at 0.9 each: the survival rule verifies 3 (0.9, 0.81, 0.729 >= 0.7), DeepSpec's rule all 4
+    # (the last round may verify fewer: only the tokens still allowed by max_new_tokens)
+    assert set(verified[survival][:-1]) == {3} and set(verified[deepspec][:-1]) == {4}
 
 
 def test_load_draft_follows_the_targets_dtype(tiny, tmp_path):

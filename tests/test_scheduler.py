@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf.scheduling.policies import FixedPolicy, ThresholdPolicy, resolve_policy, survival_probabilities
+from dspark_hf.scheduling.policies import (
+    ConfidenceThresholdPolicy,
+    FixedPolicy,
+    ThresholdPolicy,
+    resolve_policy,
+    survival_probabilities,
+)
 
 
 def test_survival_is_cumulative_product():
@@ -39,10 +45,48 @@ def test_policy_table(policy, survival, expected):
         ("fixed", FixedPolicy()),
         ("fixed:3", FixedPolicy(3)),
         ("threshold:0.25", ThresholdPolicy(0.25)),
+        ("confidence_threshold:0.7", ConfidenceThresholdPolicy(0.7)),
+        ("confidence_threshold", ConfidenceThresholdPolicy(0.5)),
     ],
 )
 def test_resolve(spec, expected):
     assert resolve_policy(spec) == expected
+
+
+def test_the_two_threshold_rules_on_the_issue_example():
+    """Confidence 0.9 at each of 7 positions, threshold 0.7: DeepSpec's rule verifies 7, the survival rule 3."""
+    survival = survival_probabilities(torch.full((1, 7), 0.9))
+    assert resolve_policy("confidence_threshold:0.7").choose_lengths(survival).tolist() == [7]
+    assert resolve_policy("threshold:0.7").choose_lengths(survival).tolist() == [3]  # 0.9, 0.81, 0.729
+
+
+def _deepspec_prefix(confidences: list[float], threshold: float) -> int:
+    """DeepSpec's `_confident_prefix_length`, restated: index of the first confidence below the threshold."""
+    if threshold <= 0.0:
+        return len(confidences)
+    below = [k for k, c in enumerate(confidences) if c < threshold]
+    return below[0] if below else len(confidences)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.5, 0.7, 0.95, 1.0])
+def test_confidence_threshold_matches_deepspec_on_random_confidences(threshold):
+    torch.manual_seed(0)
+    confidences = torch.rand(200, 7, dtype=torch.float64) ** 0.3  # mostly high, as a trained head gives
+    confidences[::7, 2] = 0.0  # a zero confidence ends the prefix (and makes later survival 0)
+    got = ConfidenceThresholdPolicy(threshold).choose_lengths(survival_probabilities(confidences)).tolist()
+    assert got == [_deepspec_prefix(row, threshold) for row in confidences.tolist()]
+    # the survival rule is a different rule: it never verifies more, and here it verifies less somewhere
+    product = ThresholdPolicy(threshold).choose_lengths(survival_probabilities(confidences)).tolist()
+    assert all(p <= g for p, g in zip(product, got))
+    if 0.0 < threshold < 1.0:
+        assert product != got
+
+
+def test_confidence_threshold_refuses_out_of_range():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        ConfidenceThresholdPolicy(1.5)
+    with pytest.raises(ValueError, match="confidence_threshold:T"):
+        resolve_policy("deepspec:0.7")
 
 
 def test_policy_precedence_in_generate():

@@ -20,8 +20,10 @@ from .decoding.stats import GenerationStats, RoundStats
 from .model.configuration import DSparkConfig, default_target_layer_ids
 from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
 from .model.formats import export_deepspec
-from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint
+from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
+from .model.speculators_format import export_speculators
 from .scheduling.policies import (
+    ConfidenceThresholdPolicy,
     FixedPolicy,
     HardwareAwarePolicy,
     LaggedHardwareAwarePolicy,
@@ -51,13 +53,16 @@ __all__ = [
     "RoundStats",
     "SamplingParams",
     "ThresholdPolicy",
+    "ConfidenceThresholdPolicy",
     "UniformHardwareAwarePolicy",
     "VerificationPolicy",
     "default_target_layer_ids",
     "export_deepspec",
+    "export_speculators",
     "get_sps_profile",
     "profile_sps",
     "load_deepspec_checkpoint",
+    "load_speculators_checkpoint",
     "pack_linear_weights",
     "packed_linears",
     "resolve_policy",

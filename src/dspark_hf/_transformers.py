@@ -29,9 +29,19 @@ from packaging import version
 HIDDEN_STATES_BY_INDEX = version.parse(transformers.__version__) >= version.parse("5.23.0")
 
 
+def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:
+    """Positions in transformers' `output_hidden_states` tuple of the target layers `layer_ids`.
+
+    Entry 0 of that tuple is the embedding output and entry `l + 1` the output of decoder layer `l`, so a layer
+    id maps to `l + 1` and the embedding output (`-1`, as in DeepSpec) to 0. Every driver (generation, engine,
+    training features) reads the target's hidden states through this one function.
+    """
+    return [int(i) + 1 for i in layer_ids]
+
+
 def hidden_states_request(layer_ids: Sequence[int]) -> list[int] | bool:
-    """The `output_hidden_states` value that returns the outputs of the 0-based decoder layers `layer_ids`."""
-    return [i + 1 for i in layer_ids] if HIDDEN_STATES_BY_INDEX else True
+    """The `output_hidden_states` value that returns the outputs of the target layers `layer_ids`."""
+    return hidden_state_indices(layer_ids) if HIDDEN_STATES_BY_INDEX else True
 
 
 def selected_hidden_states(hidden_states: Sequence[Any], layer_ids: Sequence[int]):
@@ -41,7 +51,7 @@ def selected_hidden_states(hidden_states: Sequence[Any], layer_ids: Sequence[int
     """
     import torch
 
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
 
 
 def eos_token_ids(generation_config) -> set[int]:

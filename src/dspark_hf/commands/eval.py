@@ -35,8 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt and method; medians used")
     parser.add_argument(
         "--policy",
-        default="fixed",
-        help="dspark_policy for every draft (default 'fixed': the whole block is verified, so τ compares at full γ)",
+        nargs="+",
+        default=["fixed"],
+        help=(
+            "dspark_policy for every draft (default 'fixed': the whole block is verified, so τ compares at full γ). "
+            "Several policies run each draft under each, as methods NAME@POLICY, e.g. --policy threshold:0.7 "
+            "confidence_threshold:0.7 (the survival rule and DeepSpec's rule)"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -113,6 +118,17 @@ def main(args: argparse.Namespace) -> int:
             f"note: {', '.join(fresh)} is a fresh, untrained draft (no trained draft for this target, or 'fresh' "
             "asked for): almost every drafted token is rejected, so τ stays near 1. Outputs are still exact."
         )
+    policy = args.policy[0]
+    if len(args.policy) > 1:  # one method per (draft, policy); the same draft object serves all its policies
+        from ..scheduling.policies import resolve_policy
+
+        for spec in args.policy:  # fail before loading any prompt
+            resolve_policy(spec, has_confidence=True)
+        named = {f"{name}@{spec}": (name, spec) for name in drafts for spec in args.policy}
+        drafts = {method: drafts[name] for method, (name, _) in named.items()}
+        policy = {method: spec for method, (_, spec) in named.items()}
+        specs = [(method, dict(specs)[name]) for method, (name, _) in named.items()]
+        fresh = [method for method, (name, _) in named.items() if name in fresh]
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None
     report = evaluate_drafts(
         target,
@@ -124,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         temperatures=args.temperatures,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
-        policy=args.policy,
+        policy=policy,
         seed=args.seed,
         prompt_lookup=args.prompt_lookup,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=None,
         help=(
-            "verification policy: fixed, fixed:N, threshold:T, hardware_aware[:BG], hardware_aware_lagged[:BG], "
+            "verification policy: fixed, fixed:N, threshold:T (survival rule), confidence_threshold:T "
+            "(DeepSpec's rule), hardware_aware[:BG], hardware_aware_lagged[:BG], "
             "hardware_aware_uniform[:BG] (default: the draft's default; printed with the results)"
         ),
     )

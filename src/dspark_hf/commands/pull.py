@@ -34,12 +34,14 @@ def main(args: argparse.Namespace) -> int:
 
             target = AutoModelForCausalLM.from_pretrained(args.target)
         draft = DSparkDraftModel.from_pretrained(path, target=target)  # checks compatibility when target is given
-        if args.convert and fmt == "deepspec":
-            for name in os.listdir(path):  # DeepSpec weights hold copies of the target's embedding and LM head
+        if args.convert and fmt in ("deepspec", "speculators"):
+            for name in os.listdir(
+                path
+            ):  # DeepSpec / speculators weights hold copies of the target's embedding and LM head
                 if name.endswith((".safetensors", ".safetensors.index.json")):
                     os.remove(os.path.join(path, name))
             draft.save_pretrained(path)
-            fmt = "dspark (converted from deepspec)"
+            fmt = f"dspark (converted from {fmt})"
         if target is not None:
             print(f"compatible with target {args.target}")
     print(f"pulled {args.repo_id} (revision {args.revision or 'main'}, {fmt} format) to {path}")

@@ -547,7 +547,7 @@ def evaluate_drafts(
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 256,
     repeats: int = 1,
-    policy: str | None = "fixed",
+    policy: str | Mapping[str, str] | None = "fixed",
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -572,8 +572,9 @@ def evaluate_drafts(
             sampling at that temperature (no top-k / top-p).
         max_new_tokens (`int`, *optional*, defaults to 256): per generation.
         repeats (`int`, *optional*, defaults to 1): timed repeats per method and prompt; medians are used.
-        policy (`str`, *optional*, defaults to `"fixed"`): `dspark_policy` for every draft; `"fixed"` verifies
-            the whole block so τ is compared at full γ, as in the paper.
+        policy (`str` or `Mapping[str, str]`, *optional*, defaults to `"fixed"`): `dspark_policy` for every
+            draft, or one per draft name; `"fixed"` verifies the whole block so τ is compared at full γ, as in
+            the paper.
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
@@ -623,7 +624,9 @@ def evaluate_drafts(
         config, lookup = configs
         kwargs = {"generation_config": lookup if method == PROMPT_LOOKUP else config}
         if method in drafts:
-            kwargs.update(assistant_model=drafts[method], dspark_policy=policy)
+            kwargs.update(
+                assistant_model=drafts[method], dspark_policy=policy[method] if isinstance(policy, Mapping) else policy
+            )
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
@@ -675,7 +678,7 @@ def evaluate_drafts(
         "sampling": "plain temperature sampling (top_k=0, top_p=1.0); greedy at temperature 0",
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
-        "policy": policy,
+        "policy": dict(policy) if isinstance(policy, Mapping) else policy,
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
         "timing": "per prompt, methods interleaved in every repeat; tokens/s = new tokens / median seconds, summed",

@@ -28,11 +28,12 @@ def check_target_compatibility(config: DSparkConfig, target: Any) -> None:
             f"has {tcfg.hidden_size}. Build a draft for this target with `DSparkDraftModel.from_target(target)`."
         )
     num_layers = tcfg.num_hidden_layers
-    bad = [i for i in config.target_layer_ids if not 0 <= i < num_layers - 1]
+    bad = [i for i in config.target_layer_ids if not -1 <= i < num_layers - 1]
     if bad:
         raise ValueError(
             f"Draft target_layer_ids={config.target_layer_ids} do not fit a target with {num_layers} layers: "
-            f"{bad} out of the allowed range 0..{num_layers - 2} (the final layer is excluded). Was this draft "
+            f"{bad} out of the allowed range -1..{num_layers - 2} (-1 is the embedding output; the final layer is "
+            "excluded). Was this draft "
             f"trained for a different target (recorded: {config.target_name_or_path!r})?"
         )
     recorded = config.target_name_or_path

@@ -14,6 +14,28 @@ from transformers import PreTrainedConfig
 from .._transformers import commit_hash
 
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
+LAYER_STYLES = ("qwen3", "gemma4")
+# Rotary types the draft layers compute exactly as transformers' rotary classes do. "dynamic" and "longrope"
+# change their frequencies with the sequence length at run time and are refused rather than approximated.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+EMBEDDING_LAYER_ID = -1  # in `target_layer_ids`: the target's embedding output (DeepSpec's convention)
+
+
+def rope_parameters_of(text_config: Any) -> dict:
+    """The rotary parameters a draft for `text_config` uses: its own, or its full-attention layers' ones.
+
+    Models whose layer types use different rotaries (Gemma 3/4: sliding and full attention) store one dict per
+    layer type; DSpark draft layers are full-attention layers, so they take the `"full_attention"` entry.
+    """
+    rope = getattr(text_config, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not isinstance(rope, dict) or not rope:
+        theta = getattr(text_config, "rope_theta", None) or 10000.0
+        return {"rope_type": "default", "rope_theta": float(theta)}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", getattr(text_config, "rope_theta", None) or 10000.0)
+    return {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type, "rope_theta": float(theta)}
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -61,7 +83,24 @@ class DSparkConfig(PreTrainedConfig):
         num_key_value_heads (`int`, *optional*, defaults to 8): key/value heads per draft layer (GQA).
         head_dim (`int`, *optional*): per-head width; defaults to `hidden_size // num_attention_heads`.
         rms_norm_eps (`float`, *optional*, defaults to 1e-6): epsilon of every RMSNorm.
-        rope_theta (`float`, *optional*, defaults to 10000.0): rotary base of the draft layers.
+        rope_theta (`float`, *optional*, defaults to 10000.0): rotary base of the draft layers; kept equal to
+            `rope_parameters["rope_theta"]`.
+        rope_parameters (`dict`, *optional*): the draft layers' rotary embedding in transformers' format
+            (`rope_type` and its parameters, e.g. `{"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 32768}`), computed by transformers' own rotary functions.
+            Supported types: `default`, `linear`, `yarn`, `llama3`, `proportional`; `dynamic` and `longrope`
+            are refused. Defaults to plain rotary with `rope_theta`. [`DSparkConfig.from_target`] copies the
+            target's (its full-attention layers' for Gemma).
+        hidden_act (`str`, *optional*, defaults to `"silu"`): activation of the draft layers' gated MLP (any key
+            of `transformers.activations.ACT2FN`); `from_target` copies the target's.
+        layer_style (`str`, *optional*, defaults to `"qwen3"`): the draft layers' block. `"qwen3"`: pre-norm
+            layer with q/k RMSNorm (DeepSpec's Qwen3 drafts and the speculators format). `"gemma4"`: DeepSpec's
+            Gemma4 draft layer: sandwich norms around attention and MLP, an unscaled value norm, attention
+            scale 1 and a learned per-layer scalar.
+        attention_k_eq_v (`bool`, *optional*, defaults to `False`): `"gemma4"` only: values are the key
+            projection (no `v_proj`), as in Gemma4's full-attention layers.
+        final_logit_softcapping (`float`, *optional*): soft-cap `c·tanh(x/c)` applied to the base logits, as the
+            target applies it to its own (Gemma).
         max_position_embeddings (`int`, *optional*, defaults to 32768): longest context the draft expects.
         attention_bias (`bool`, *optional*, defaults to `False`): bias on the q/k/v/o projections.
         initializer_range (`float`, *optional*, defaults to 0.02): std of the normal weight init.
@@ -94,6 +133,9 @@ class DSparkConfig(PreTrainedConfig):
         target_hidden_size (`int`, *optional*): provenance: the target's hidden size.
         target_vocab_size (`int`, *optional*): provenance: the target's vocabulary size.
         target_num_hidden_layers (`int`, *optional*): provenance: the target's number of decoder layers.
+        target_weights_fingerprint (`dict`, *optional*): a few values of the target embedding / LM head that
+            an imported checkpoint carried (DeepSpec and speculators drafts store copies); binding a target whose
+            weights differ warns. Set on import, `None` otherwise.
         dspark_version (`str`, *optional*): provenance: the `dspark_hf` version that wrote the config.
     """
 
@@ -111,6 +153,11 @@ class DSparkConfig(PreTrainedConfig):
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_parameters: dict | None = None
+    hidden_act: str = "silu"
+    layer_style: str = "qwen3"
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = None
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     initializer_range: float = 0.02
@@ -129,6 +176,7 @@ class DSparkConfig(PreTrainedConfig):
     target_hidden_size: int | None = None
     target_vocab_size: int | None = None
     target_num_hidden_layers: int | None = None
+    target_weights_fingerprint: dict | None = None
     dspark_version: str | None = None
     tie_word_embeddings: bool = False
 
@@ -157,6 +205,13 @@ class DSparkConfig(PreTrainedConfig):
         self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
         if self.dspark_version is None:
             self.dspark_version = __version__
+        if not self.rope_parameters:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        else:
+            self.rope_parameters = dict(self.rope_parameters)
+            self.rope_parameters.setdefault("rope_type", self.rope_parameters.pop("type", "default"))
+            self.rope_parameters.setdefault("rope_theta", float(self.rope_theta))
+            self.rope_theta = float(self.rope_parameters["rope_theta"])
         self.validate_dspark()
         super().__post_init__(**kwargs)
 
@@ -191,6 +246,7 @@ class DSparkConfig(PreTrainedConfig):
                 f"DSparkConfig.markov_rank must be a positive integer when sequential_head={self.sequential_head!r}, "
                 f"got {self.markov_rank!r}. Use e.g. 64-256, or sequential_head='none' for no sequential head."
             )
+        self._validate_layers()
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"DSparkConfig.mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
@@ -204,13 +260,16 @@ class DSparkConfig(PreTrainedConfig):
                 f"DSparkConfig.target_layer_ids={ids} must be strictly increasing without repeats; "
                 f"did you mean {sorted(set(ids))}?"
             )
-        if ids[0] < 0:
-            raise ValueError(f"DSparkConfig.target_layer_ids={ids} contains a negative index; use 0-based indices.")
+        if ids[0] < EMBEDDING_LAYER_ID:
+            raise ValueError(
+                f"DSparkConfig.target_layer_ids={ids} contains {ids[0]}; allowed are 0-based layer indices and -1 "
+                "(the target's embedding output, as in DeepSpec)."
+            )
         n = self.target_num_hidden_layers
         if n is not None and ids[-1] >= n - 1:
             raise ValueError(
                 f"DSparkConfig.target_layer_ids={ids} is out of range for a target with {n} layers: allowed are "
-                f"0..{n - 2} (the final layer is excluded because its output is normalised for the LM head). "
+                f"-1 (the embedding output) and 0..{n - 2} (the final layer is excluded because its output is normalised for the LM head). "
                 f"The default for this target is {default_target_layer_ids(n) if n >= 2 else 'undefined'}."
             )
         if len(self.calibration_temperatures) != self.block_size:
@@ -237,6 +296,45 @@ class DSparkConfig(PreTrainedConfig):
                 "the draft shares the target's vocabulary, so both must match."
             )
 
+    def _validate_layers(self) -> None:
+        from transformers.activations import ACT2FN
+
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"DSparkConfig.hidden_act={self.hidden_act!r} is not an activation transformers knows; use a key of "
+                f"transformers.activations.ACT2FN such as 'silu', 'gelu', 'gelu_pytorch_tanh'."
+            )
+        if self.layer_style not in LAYER_STYLES:
+            raise ValueError(
+                f"DSparkConfig.layer_style={self.layer_style!r} is not supported; choose one of {LAYER_STYLES} "
+                "('qwen3' for DeepSpec Qwen3 and speculators drafts, 'gemma4' for DeepSpec Gemma4 drafts)."
+            )
+        if self.attention_k_eq_v and self.layer_style != "gemma4":
+            raise ValueError("DSparkConfig.attention_k_eq_v=True needs layer_style='gemma4' (Gemma4 attention).")
+        cap = self.final_logit_softcapping
+        if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+            raise ValueError(f"DSparkConfig.final_logit_softcapping must be None or > 0, got {cap!r}.")
+        rope = self.rope_parameters
+        rope_type = rope.get("rope_type")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            hint = (
+                " It changes the rotary frequencies with the sequence length at run time, which the draft layers do "
+                "not reproduce."
+                if rope_type in ("dynamic", "longrope")
+                else ""
+            )
+            raise ValueError(
+                f"DSparkConfig.rope_parameters has rope_type={rope_type!r}, which DSpark draft layers do not "
+                f"support.{hint} Supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            )
+        partial = float(rope.get("partial_rotary_factor", 1.0) or 1.0)
+        if partial != 1.0 and rope_type != "proportional":
+            raise ValueError(
+                f"DSparkConfig.rope_parameters sets partial_rotary_factor={partial} with rope_type={rope_type!r}; "
+                "DSpark draft layers rotate the whole head (only the 'proportional' type, Gemma4's, handles a "
+                "partial rotary, and does so over the whole head)."
+            )
+
     @property
     def num_target_features(self) -> int:
         """`int`: number of target layers fused into the context features (`m`)."""
@@ -260,17 +358,27 @@ class DSparkConfig(PreTrainedConfig):
         """
         tcfg = getattr(target, "config", target).get_text_config()
         num_heads = tcfg.num_attention_heads
-        rope = getattr(tcfg, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        rope = rope_parameters_of(tcfg)
+        gemma4 = str(getattr(tcfg, "model_type", "")).startswith("gemma4")
+        shape = (
+            _gemma4_fields(tcfg)
+            if gemma4
+            else {
+                "num_key_value_heads": getattr(tcfg, "num_key_value_heads", None) or num_heads,
+                "head_dim": getattr(tcfg, "head_dim", None) or tcfg.hidden_size // num_heads,
+            }
+        )
         fields: dict[str, Any] = {
             "vocab_size": tcfg.vocab_size,
             "hidden_size": tcfg.hidden_size,
             "intermediate_size": tcfg.intermediate_size,
             "num_attention_heads": num_heads,
-            "num_key_value_heads": getattr(tcfg, "num_key_value_heads", None) or num_heads,
-            "head_dim": getattr(tcfg, "head_dim", None) or tcfg.hidden_size // num_heads,
+            **shape,
             "rms_norm_eps": getattr(tcfg, "rms_norm_eps", 1e-6),
-            "rope_theta": float(rope_theta),
+            "rope_theta": float(rope["rope_theta"]),
+            "rope_parameters": rope,
+            "hidden_act": getattr(tcfg, "hidden_act", None) or getattr(tcfg, "hidden_activation", None) or "silu",
+            "final_logit_softcapping": getattr(tcfg, "final_logit_softcapping", None),
             "max_position_embeddings": getattr(tcfg, "max_position_embeddings", 32768),
             "target_name_or_path": getattr(tcfg, "name_or_path", None) or None,
             "target_revision": commit_hash(tcfg),
@@ -278,5 +386,21 @@ class DSparkConfig(PreTrainedConfig):
             "target_vocab_size": tcfg.vocab_size,
             "target_num_hidden_layers": tcfg.num_hidden_layers,
         }
+        if "rope_theta" in overrides and "rope_parameters" not in overrides:  # a new base, same rotary type
+            fields["rope_parameters"] = {**rope, "rope_theta": float(overrides["rope_theta"])}
         fields.update(overrides)
         return cls(**fields)
+
+
+def _gemma4_fields(tcfg: Any) -> dict[str, Any]:
+    """Shape of DeepSpec's Gemma4 draft layers for a Gemma4 text config (its full-attention layers' shape)."""
+    k_eq_v = bool(getattr(tcfg, "attention_k_eq_v", False))
+    # transformers >= 5.2x keeps the full-attention shape in `per_layer_config`; earlier versions in
+    # `global_head_dim` / `num_global_key_value_heads`.
+    full = tcfg.per_layer_config["full_attention"] if hasattr(tcfg, "per_layer_config") else None
+    if full is not None:
+        head_dim, kv_heads = full.head_dim, full.num_key_value_heads
+    else:
+        head_dim = tcfg.global_head_dim
+        kv_heads = tcfg.num_global_key_value_heads if k_eq_v else tcfg.num_key_value_heads
+    return {"layer_style": "gemma4", "attention_k_eq_v": k_eq_v, "head_dim": head_dim, "num_key_value_heads": kv_heads}

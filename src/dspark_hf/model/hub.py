@@ -455,19 +455,47 @@ def is_deepspec_repo(repo_id: str, **kwargs: Any) -> bool:
     return config_file is not None and is_deepspec_checkpoint(os.path.dirname(config_file))
 
 
-def draft_format(path: str | os.PathLike) -> str:
-    """`str`: `"dspark"` or `"deepspec"`, the format of the draft checkpoint in a local folder."""
+def checkpoint_format(path_or_repo: str, **kwargs: Any) -> str | None:
+    """`"deepspec"`, `"speculators"` or `None` (our own format, or unreadable: transformers reports it).
+
+    Args:
+        path_or_repo (`str`): local folder or Hub repo id (its `config.json` is fetched once).
+        **kwargs: `revision`, `token`, ... as for [`check_remote_draft`].
+    """
     from .formats import is_deepspec_config
+    from .speculators_format import is_speculators_config
+
+    if os.path.isdir(path_or_repo):
+        config_file = os.path.join(path_or_repo, "config.json")
+        config_file = config_file if os.path.exists(config_file) else None
+    else:
+        config_file = check_remote_draft(path_or_repo, **kwargs)
+    if config_file is None:
+        return None
+    with open(config_file, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if is_speculators_config(cfg):
+        return "speculators"
+    return "deepspec" if is_deepspec_config(cfg) else None
+
+
+def draft_format(path: str | os.PathLike) -> str:
+    """`str`: `"dspark"`, `"deepspec"` or `"speculators"`, the format of the draft checkpoint in a local folder."""
+    from .formats import is_deepspec_config
+    from .speculators_format import is_speculators_config
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     if cfg.get("model_type") == "dspark":
         return "dspark"
+    if is_speculators_config(cfg):
+        return "speculators"
     if is_deepspec_config(cfg):
         return "deepspec"
     raise ValueError(
-        f"{path}/config.json is neither a dspark-hf draft (model_type 'dspark') nor a DeepSpec draft "
-        f"(block_size + target_layer_ids); got model_type={cfg.get('model_type')!r}. Is this a draft repo?"
+        f"{path}/config.json is neither a dspark-hf draft (model_type 'dspark'), a DeepSpec draft "
+        "(block_size + target_layer_ids) nor a speculators DSpark draft (speculators_model_type); got "
+        f"model_type={cfg.get('model_type')!r}. Is this a draft repo?"
     )
 
 

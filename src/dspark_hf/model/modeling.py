@@ -38,112 +38,12 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
-from .formats import is_deepspec_checkpoint, read_deepspec_checkpoint
+from .formats import read_deepspec_checkpoint
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
-from .hub import is_deepspec_repo, push_draft
+from .hub import checkpoint_format, push_draft
+from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
+from .speculators_format import read_speculators_checkpoint
 from .vocab import SubsetRows, validate_vocab_ids
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as in Llama/Qwen), scaled by a learned weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (rotate-half convention) of `x` `[B, H, T, hd]` at `positions` `[B, T]`."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    half = head_dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class DSparkAttention(nn.Module):
-    """Attention whose queries come from the block and whose keys/values cover `[context ; block]`."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.rope_theta = config.rope_theta
-        d, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)
-
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values of context features `[B, T, d]` at absolute `positions`."""
-        keys = self.k_norm(self._split(self.k_proj(context), self.num_kv_heads))
-        values = self._split(self.v_proj(context), self.num_kv_heads)
-        return apply_rotary(keys, positions, self.rope_theta), values
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        ctx_keys: torch.Tensor,
-        ctx_values: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        queries = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.num_heads)), positions, self.rope_theta)
-        blk_keys, blk_values = self.context_kv(x, positions)
-        keys = torch.cat([ctx_keys, blk_keys], dim=-2)
-        values = torch.cat([ctx_values, blk_values], dim=-2)
-        if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            keys = keys.repeat_interleave(repeat, dim=1)
-            values = values.repeat_interleave(repeat, dim=1)
-        # No causal mask: the block is bidirectional and sees all (already position-filtered) context.
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-
-
-class DSparkMLP(nn.Module):
-    """SwiGLU feed-forward block."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DSparkDecoderLayer(nn.Module):
-    """Pre-norm decoder layer (Qwen3 style: RMSNorm on queries and keys) with context KV injection."""
-
-    def __init__(self, config: DSparkConfig) -> None:
-        super().__init__()
-        self.self_attn = DSparkAttention(config)
-        self.mlp = DSparkMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, positions, ctx_keys, ctx_values, attention_mask=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_keys, ctx_values, attention_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass
@@ -169,7 +69,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
     base_model_prefix = "dspark"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["DSparkDecoderLayer"]
+    _no_split_modules = ["DSparkDecoderLayer", "Gemma4DecoderLayer"]
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -179,7 +79,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, RMSNorm):
+        elif isinstance(module, (RMSNorm, GemmaRMSNorm)) and module.weight is not None:
             nn.init.ones_(module.weight)
 
 
@@ -201,9 +101,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.fc = nn.Linear(config.num_target_features * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.hidden_norm = final_norm(config)
+        self.layers = build_layers(config)
+        self.norm = final_norm(config)
         head_cls = SEQUENTIAL_HEAD_CLASSES.get(config.sequential_head)
         self.markov_head = head_cls(config) if head_cls is not None else None
         self.confidence_head = ConfidenceHead(config) if config.confidence_head else None
@@ -249,18 +149,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, target: PreTrainedModel | None = None, **kwargs):
         """Load a draft (safetensors only) and optionally bind it to `target`.
 
-        Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]`) are converted on the fly.
+        Checkpoints in DeepSpec's format (`"architectures": ["Qwen3DSparkModel"]` or `["Gemma4DSparkModel"]`)
+        and in the speculators format (`"speculators_model_type": "dspark"`) are converted on the fly.
         Pickle checkpoints (`pytorch_model.bin`) are refused. For a Hub repo id, a missing repo or revision
         raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.model.hub`).
         """
         path = os.fspath(pretrained_model_name_or_path)
         _refuse_pickle(path)
-        if os.path.isdir(path):
-            deepspec = is_deepspec_checkpoint(path)
-        else:  # a Hub id
-            deepspec = is_deepspec_repo(path, **kwargs)
-        if deepspec:
+        fmt = checkpoint_format(path, **kwargs)
+        if fmt == "deepspec":
             draft = load_deepspec_checkpoint(path, **kwargs)
+        elif fmt == "speculators":
+            draft = load_speculators_checkpoint(path, **kwargs)
         else:
             kwargs.setdefault("use_safetensors", True)
             want_info = kwargs.pop("output_loading_info", False)
@@ -307,6 +207,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 "target such as one loaded with AutoModelForCausalLM."
             )
         self._bound = (embed, head, target)
+        recorded = self.config.target_weights_fingerprint
+        if recorded:
+            from .fingerprint import warn_if_target_differs
+
+            warn_if_target_differs(recorded, embed, head, target)
         return self
 
     @property
@@ -333,10 +238,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return self._require_bound()[0](input_ids).to(self.dtype)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's (frozen) LM head applied to draft hidden states; logits in at least fp32."""
+        """The target's (frozen) LM head applied to draft hidden states; logits in at least fp32.
+
+        With `config.final_logit_softcapping` (Gemma) the logits are soft-capped as the target caps its own.
+        """
         head = self._require_bound()[1]
         logits = head(hidden.to(head.weight.dtype))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ------------------------------------------------------------------ draft vocabulary subset (inference)
     def set_draft_vocab(self, token_ids) -> DSparkDraftModel:
@@ -383,7 +295,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         weight = self._head_rows(head.weight, ids)
         bias = self._head_bias_rows(head.bias, ids) if head.bias is not None else None
         logits = F.linear(hidden.to(weight.dtype), weight, bias)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits `[..., K]` → full-vocabulary logits `[..., V]`, `-inf` outside the subset.
@@ -609,14 +521,57 @@ def load_deepspec_checkpoint(
     """
     path_or_repo = os.fspath(path_or_repo)
     config, weights = read_deepspec_checkpoint(path_or_repo, revision, token)
-    stored_dtype = next(iter(weights.values())).dtype
+    return _draft_from_weights(config, weights, path_or_repo, dtype, target, "DeepSpec")
+
+
+def load_speculators_checkpoint(
+    path_or_repo: str,
+    revision: str | None = None,
+    token: Any = None,
+    dtype: torch.dtype | str | None = None,
+    target: Any = None,
+    **unused: Any,
+) -> DSparkDraftModel:
+    """Load a speculators-format DSpark (or DFlash) draft (folder or Hub id) as a [`DSparkDraftModel`].
+
+    A draft vocabulary (`draft_vocab_size` below the vocabulary) becomes the draft's vocabulary subset
+    (`set_draft_vocab`). See `docs/speculators-format.md`.
+
+    Args:
+        path_or_repo (`str`): local folder or Hub repo id.
+        revision (`str`, *optional*): branch, tag or commit on the Hub.
+        token (*optional*): Hub token.
+        dtype (`torch.dtype` or `str`, *optional*): cast the weights; defaults to the stored dtype.
+        target (`PreTrainedModel`, *optional*): bind the draft to this target.
+    """
+    path_or_repo = os.fspath(path_or_repo)
+    config, weights, vocab_ids = read_speculators_checkpoint(path_or_repo, revision, token)
+    draft = _draft_from_weights(config, weights, path_or_repo, dtype, None, "speculators")
+    if vocab_ids is not None:
+        draft.set_draft_vocab(vocab_ids)
+    if target is not None:
+        draft.bind_target(target)
+    return draft
+
+
+def _draft_from_weights(config, weights, source: str, dtype, target, fmt: str) -> DSparkDraftModel:
+    """A draft for `config` holding exactly `weights` (every key and shape must match), bound to `target`."""
+    stored_dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     draft = DSparkDraftModel(config).to(dtype or stored_dtype)
+    expected = draft.state_dict()
+    wrong = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in weights.items() if k in expected}
+    wrong = {k: shapes for k, shapes in wrong.items() if shapes[0] != shapes[1]}
+    if wrong:
+        raise ValueError(
+            f"{fmt} checkpoint {source} does not match the draft its config describes: (stored, expected) shapes "
+            f"{wrong}."
+        )
     missing, unexpected = draft.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"DeepSpec checkpoint {path_or_repo} does not match the draft architecture: missing {missing}, "
+            f"{fmt} checkpoint {source} does not match the draft architecture: missing {missing}, "
             f"unexpected {unexpected}."
         )
     draft.eval()

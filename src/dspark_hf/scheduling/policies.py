@@ -36,8 +36,22 @@ def fixed_lengths(survival: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def threshold_lengths(survival: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Verify the longest prefix whose survival stays `>= threshold` (stopping at the first miss)."""
+    """Survival rule: verify the longest prefix whose survival `a_k = Π c_i` stays `>= threshold`."""
     keep = (survival >= threshold).long()
+    return torch.cumprod(keep, dim=-1).sum(dim=-1)
+
+
+def confidence_threshold_lengths(survival: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSpec's rule: stop at the first position whose own confidence `c_k` is `< threshold`.
+
+    The confidences are recovered from the survival probabilities as `c_k = a_k / a_{k-1}` (`a_0 = 1`),
+    compared without dividing (`a_k >= t·a_{k-1}`). Once some `c_j < t` the prefix has stopped, so a zero
+    survival after it never matters. `threshold <= 0` verifies the whole block, as in DeepSpec.
+    """
+    if threshold <= 0.0:
+        return fixed_lengths(survival, survival.shape[-1])
+    previous = torch.cat([torch.ones_like(survival[..., :1]), survival[..., :-1]], dim=-1)
+    keep = (survival >= threshold * previous).long()
     return torch.cumprod(keep, dim=-1).sum(dim=-1)
 
 
@@ -269,7 +283,11 @@ class FixedPolicy(VerificationPolicy):
 
 @dataclass
 class ThresholdPolicy(VerificationPolicy):
-    """Verify while the running product of calibrated confidences stays `>= threshold` (DeepSpec's rule)."""
+    """Survival rule: verify while the running product of calibrated confidences stays `>= threshold`.
+
+    This is *not* DeepSpec's rule (that is [`ConfidenceThresholdPolicy`]): at confidence 0.9 everywhere and
+    threshold 0.7 it verifies 3 tokens (0.9, 0.81, 0.729), DeepSpec's rule all 7.
+    """
 
     threshold: float = 0.5
     name = "threshold"
@@ -280,6 +298,25 @@ class ThresholdPolicy(VerificationPolicy):
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         return threshold_lengths(survival, self.threshold)
+
+
+@dataclass
+class ConfidenceThresholdPolicy(VerificationPolicy):
+    """DeepSpec's rule: verify up to (not including) the first position whose calibrated confidence is `< threshold`.
+
+    DeepSpec's evaluator (`confidence_threshold`) compares each position's own confidence `c_k`, not the running
+    product; [`ThresholdPolicy`] is the product ("survival") rule.
+    """
+
+    threshold: float = 0.5
+    name = "confidence_threshold"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}.")
+
+    def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
+        return confidence_threshold_lengths(survival, self.threshold)
 
 
 @dataclass
@@ -458,7 +495,8 @@ def resolve_policy(
 ) -> VerificationPolicy:
     """Turn a policy object or a string into a policy.
 
-    Strings: `"fixed"`, `"fixed:4"`, `"threshold:0.3"`, `"hardware_aware"`, `"hardware_aware:32"` (32
+    Strings: `"fixed"`, `"fixed:4"`, `"threshold:0.3"` (survival rule), `"confidence_threshold:0.7"`
+    (DeepSpec's rule), `"hardware_aware"`, `"hardware_aware:32"` (32
     background tokens), `"hardware_aware_lagged"`, `"hardware_aware_lagged:32"`, `"hardware_aware_uniform"`,
     `"hardware_aware_uniform:32"`.
 
@@ -479,6 +517,8 @@ def resolve_policy(
                 policy = FixedPolicy(int(arg) if arg else None)
             elif name == "threshold":
                 policy = ThresholdPolicy(float(arg) if arg else 0.5)
+            elif name == "confidence_threshold":
+                policy = ConfidenceThresholdPolicy(float(arg) if arg else 0.5)
             elif name == "hardware_aware":
                 policy = HardwareAwarePolicy(background_tokens=int(arg) if arg else 0)
             elif name == "hardware_aware_lagged":
@@ -490,7 +530,7 @@ def resolve_policy(
         except (KeyError, ValueError) as err:
             raise ValueError(
                 f"Unknown verification policy {spec!r}: use 'fixed', 'fixed:N' (N tokens), 'threshold:T' "
-                "(0 <= T <= 1), 'hardware_aware[:BG]', 'hardware_aware_lagged[:BG]' or 'hardware_aware_uniform[:BG]' "
+                "(survival rule, 0 <= T <= 1), 'confidence_threshold:T' (DeepSpec's rule), 'hardware_aware[:BG]', 'hardware_aware_lagged[:BG]' or 'hardware_aware_uniform[:BG]' "
                 "(BG = background tokens), "
                 "or pass a VerificationPolicy object."
             ) from err

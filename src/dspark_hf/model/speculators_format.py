@@ -1,0 +1,282 @@
+"""Import and export of the speculators format (vLLM's `speculators` library: DSpark and DFlash drafts).
+
+A speculators checkpoint is a `config.json` with `speculators_model_type` (`"dspark"`, or `"dflash"`), a
+`speculators_config` (algorithm, proposal method, verifier), the draft layers' config as
+`transformer_layer_config` (a transformers config whose `num_hidden_layers` is the number of draft layers),
+and `model.safetensors`. Its DSpark draft is the same model as DeepSpec's Qwen3 draft (Qwen3-style layers
+with context K/V injection, Markov head, confidence head), so the weights are a rename-free copy; the
+differences are in the config:
+
+| speculators                              | dspark_hf                                                  |
+|------------------------------------------|------------------------------------------------------------|
+| `aux_hidden_state_layer_ids` (`a`)       | `target_layer_ids` = `a - 1` (vLLM captures a layer's input) |
+| `transformer_layer_config.*`             | shape, `rms_norm_eps`, `hidden_act`, `rope_parameters`       |
+| `block_size`, `mask_token_id`            | same names                                                  |
+| `sample_from_anchor: true`               | required (our block drafts from the anchor slot on)         |
+| `markov_rank`, `markov_head_type`        | `sequential_head`, `markov_rank` (`0`: none)                 |
+| `enable_confidence_head`, `confidence_head_with_markov` | `confidence_head`, `confidence_with_markov` |
+| `draft_vocab_size` < vocab, `t2d` / `d2t`| a draft vocabulary subset (`set_draft_vocab`), import only  |
+| `speculators_config.verifier.name_or_path` | `target_name_or_path`                                     |
+
+`embed_tokens.weight` and `lm_head.weight` (the verifier's, the latter restricted to the draft vocabulary)
+are fingerprinted and dropped on import, like DeepSpec's copies; export writes the bound target's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .configuration import DSparkConfig
+from .fingerprint import fingerprint_copies
+from .formats import _HEAD_FROM_DEEPSPEC, _HEAD_TO_DEEPSPEC, _load_weights, _read_config
+
+SPECULATORS_TYPES = ("dspark", "dflash")
+_ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator"}
+# Weights of the speculators model that are copies of (or derived from) the verifier, or vocabulary maps.
+_NOT_DRAFT = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t")
+
+
+def is_speculators_config(cfg: dict) -> bool:
+    """Whether a parsed `config.json` is a speculators DSpark/DFlash draft."""
+    return cfg.get("speculators_model_type") in SPECULATORS_TYPES
+
+
+def is_speculators_checkpoint(path_or_repo: str, revision: str | None = None, token: Any = None) -> bool:
+    """Whether `path_or_repo` (folder or Hub id) holds a speculators DSpark/DFlash draft."""
+    cfg = _read_config(os.fspath(path_or_repo), revision, token)
+    return cfg is not None and is_speculators_config(cfg)
+
+
+def _layer_config(cfg: dict) -> Any:
+    from transformers import AutoConfig
+
+    layer = dict(cfg.get("transformer_layer_config") or {})
+    model_type = layer.pop("model_type", "qwen3")
+    layer.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **layer)
+
+
+def config_from_speculators(cfg: dict) -> DSparkConfig:
+    """Translate a speculators DSpark/DFlash `config.json` dict into a [`DSparkConfig`] (full vocabulary).
+
+    Raises:
+        `ValueError`: for what the draft cannot compute the same way (`sample_from_anchor: false`, sliding-window
+            draft layers, an unknown Markov head).
+    """
+    kind = cfg.get("speculators_model_type")
+    if not cfg.get("sample_from_anchor", kind == "dspark"):
+        raise ValueError(
+            "speculators draft has sample_from_anchor=false (the anchor slot predicts nothing and the block "
+            "drafts block_size - 1 tokens); dspark-hf drafts block_size tokens from the anchor slot on, as DeepSpec "
+            "and speculators' DSpark do, so this layout is not supported."
+        )
+    layer = _layer_config(cfg)
+    layer_types = getattr(layer, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"speculators draft has layer_types={layer_types}: dspark-hf draft layers are full-attention only."
+        )
+    rope = getattr(layer, "rope_parameters", None) or {}
+    if isinstance(rope.get("sliding_attention"), dict):  # speculators builds its rotary from this entry
+        rope = rope["sliding_attention"]
+    if not rope:
+        rope = {"rope_type": "default", "rope_theta": float(getattr(layer, "rope_theta", 10000.0))}
+    rope = {k: v for k, v in rope.items() if k != "type"}
+    rank = int(cfg.get("markov_rank", 0) or 0) if kind == "dspark" else 0
+    head_type = cfg.get("markov_head_type", "vanilla")
+    if rank and head_type not in _HEAD_FROM_DEEPSPEC:
+        raise ValueError(
+            f"Unknown speculators markov_head_type {head_type!r}; supported: {sorted(_HEAD_FROM_DEEPSPEC)}."
+        )
+    confidence = bool(cfg.get("enable_confidence_head", True)) if kind == "dspark" else False
+    aux = [int(a) for a in cfg["aux_hidden_state_layer_ids"]]
+    if cfg.get("mask_token_id") is None:
+        raise ValueError("speculators draft has no mask_token_id; it cannot fill the block's mask slots.")
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    num_heads = layer.num_attention_heads
+    target_hidden = cfg.get("target_hidden_size") or layer.hidden_size
+    return DSparkConfig(
+        vocab_size=layer.vocab_size,
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+        num_hidden_layers=layer.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=getattr(layer, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(layer, "head_dim", None) or layer.hidden_size // num_heads,
+        rms_norm_eps=layer.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_parameters=rope,
+        hidden_act=getattr(layer, "hidden_act", "silu"),
+        max_position_embeddings=getattr(layer, "max_position_embeddings", 32768),
+        attention_bias=bool(getattr(layer, "attention_bias", False)),
+        block_size=int(cfg["block_size"]),
+        target_layer_ids=[a - 1 for a in aux],
+        mask_token_id=int(cfg["mask_token_id"]),
+        sequential_head=_HEAD_FROM_DEEPSPEC[head_type] if rank else "none",
+        markov_rank=rank or 256,
+        confidence_head=confidence,
+        confidence_with_markov=bool(cfg.get("confidence_head_with_markov", True)) and confidence,
+        target_hidden_size=target_hidden,
+        target_name_or_path=verifier.get("name_or_path"),
+        calibration_temperatures=cfg.get("dspark_calibration_temperatures"),
+        confidence_calibrated=bool(cfg.get("dspark_confidence_calibrated", False)),
+    )
+
+
+def _draft_vocab(weights: dict, vocab_size: int, draft_vocab_size: int, source: str) -> torch.Tensor | None:
+    """The draft vocabulary subset `S` (target ids, ascending) of a speculators draft, or `None` (full)."""
+    if draft_vocab_size == vocab_size:
+        return None
+    t2d = weights.get("t2d")
+    if t2d is None or t2d.numel() != vocab_size:
+        raise ValueError(
+            f"{source}: draft_vocab_size={draft_vocab_size} < vocab {vocab_size} but no t2d mask over the "
+            "vocabulary in the weights; the draft vocabulary cannot be recovered."
+        )
+    ids = t2d.bool().nonzero().flatten()
+    if ids.numel() != draft_vocab_size:
+        raise ValueError(f"{source}: t2d selects {ids.numel()} tokens, draft_vocab_size is {draft_vocab_size}.")
+    d2t = weights.get("d2t")
+    if d2t is not None:  # both conventions exist (target id, or offset target id - draft id); check either
+        d2t = d2t.long()
+        if not (torch.equal(d2t, ids) or torch.equal(d2t + torch.arange(ids.numel()), ids)):
+            raise ValueError(f"{source}: d2t does not map draft ids to the t2d tokens in ascending order.")
+    return ids
+
+
+def read_speculators_checkpoint(
+    path_or_repo: str, revision: str | None = None, token: Any = None
+) -> tuple[DSparkConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    """Read a speculators DSpark/DFlash draft (folder or Hub id): its [`DSparkConfig`], the draft's own weights
+    (full-vocabulary shapes) and its draft vocabulary subset (`None`: the full vocabulary).
+
+    The verifier copies and vocabulary maps are dropped; `load_speculators_checkpoint` in
+    `dspark_hf.model.modeling` builds the model from the result.
+    """
+    path_or_repo = os.fspath(path_or_repo)
+    cfg = _read_config(path_or_repo, revision, token)
+    if cfg is None or not is_speculators_config(cfg):
+        raise ValueError(f"{path_or_repo} is not a speculators DSpark/DFlash draft (no speculators_model_type).")
+    config = config_from_speculators(cfg)
+    weights = _load_weights(path_or_repo, revision, token)
+    ids = _draft_vocab(weights, config.vocab_size, int(cfg.get("draft_vocab_size") or config.vocab_size), path_or_repo)
+    copies = {"embed_tokens.weight": weights["embed_tokens.weight"]} if "embed_tokens.weight" in weights else {}
+    if ids is None and "lm_head.weight" in weights:
+        copies["lm_head.weight"] = weights["lm_head.weight"]
+    config.target_weights_fingerprint = fingerprint_copies(copies, source=path_or_repo)
+    weights = {k: v for k, v in weights.items() if k not in _NOT_DRAFT}
+    w2 = weights.get("markov_head.markov_w2.weight")
+    if ids is not None and w2 is not None:  # W2 covers the draft vocabulary only: rows outside S stay zero
+        full = w2.new_zeros(config.vocab_size, w2.shape[1])
+        full[ids] = w2
+        weights["markov_head.markov_w2.weight"] = full
+    return config, weights, ids
+
+
+def export_speculators(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
+    """Write `draft` in the speculators format, which `vllm serve` loads (`docs/deepspec-format.md`).
+
+    Args:
+        draft ([`DSparkDraftModel`]): a `"qwen3"`-style draft, bound to its target (or `target` given).
+        save_directory (`str`): output folder (created).
+        target (`PreTrainedModel`, *optional*): the target (verifier); defaults to the bound one. Its name
+            (`config._name_or_path`) becomes `speculators_config.verifier.name_or_path`, which `vllm serve DIR`
+            uses to load the verifier.
+        dtype (`torch.dtype`, *optional*): dtype of the written weights; defaults to the draft's.
+
+    Returns:
+        `str`: `save_directory`.
+    """
+    if target is not None:
+        draft.bind_target(target)
+    target = target or draft.bound_target
+    embed, head, _ = draft._require_bound()
+    c = draft.config
+    if c.layer_style != "qwen3" or c.final_logit_softcapping is not None:
+        raise ValueError(
+            f"The speculators format holds Qwen3-style draft layers; this draft has layer_style={c.layer_style!r}"
+            f"{' and logit soft-capping' if c.final_logit_softcapping is not None else ''}. Export it with "
+            "`export_deepspec` instead."
+        )
+    kind = "dspark" if (c.sequential_head != "none" or c.confidence_head) else "dflash"
+    if draft.draft_vocab_ids is not None:
+        warnings.warn(
+            f"The draft vocabulary subset of {c.draft_vocab_size} ids is not exported (the speculators format's d2t "
+            "convention is not fixed across servers): the exported draft proposes from the full vocabulary.",
+            UserWarning,
+            stacklevel=2,
+        )
+    verifier_name = c.target_name_or_path or (getattr(target.config, "_name_or_path", None) if target else None)
+    layer = {
+        "model_type": "qwen3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": dict(c.rope_parameters),
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": c.attention_bias,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "tie_word_embeddings": False,
+    }
+    out = {
+        "architectures": [_ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": c.block_size,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier_name,
+                "architectures": list(getattr(target.config, "architectures", None) or []) if target else [],
+            },
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": True,
+        # Not part of the speculators format (loaders ignore it); keeps STS calibration across a round trip.
+        "dspark_calibration_temperatures": list(c.calibration_temperatures),
+        "dspark_confidence_calibrated": c.confidence_calibrated,
+    }
+    if kind == "dspark":
+        out.update(
+            markov_rank=0 if c.sequential_head == "none" else c.markov_rank,
+            markov_head_type=_HEAD_TO_DEEPSPEC.get(c.sequential_head, "vanilla"),
+            enable_confidence_head=c.confidence_head,
+            confidence_head_with_markov=c.uses_markov_feature,
+        )
+    dtype = dtype or draft.dtype
+    out["dtype"] = str(dtype).replace("torch.", "")
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
+    tensors["lm_head.weight"] = head.weight.detach().to(dtype).contiguous().clone()
+    os.makedirs(save_directory, exist_ok=True)
+    save_file(tensors, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=2, sort_keys=True)
+    return save_directory
