@@ -9,10 +9,19 @@ over `none`, as a share of the `none` round time (goal: <= 5% at batch 1 on CPU)
 difference is printed too, but it also carries the verification forward's run-to-run noise.
 
 A fresh draft is used on purpose: with τ ≈ 1 every round verifies a full block, so rounds are comparable
-across heads; the overhead does not depend on acceptance.
+across heads; the overhead does not depend on acceptance. `none` is DFlash (the same backbone, no
+sequential head), so the `markov` row against the `none` row is DSpark vs DFlash at the same backbone.
+"host" is the round's wall time not covered by the three measured phases (transformers' bookkeeping and
+ours).
+
+`--engine` adds the engine's plain batched mode (`DSparkEngine(target, policy="none")`) against plain
+`generate()` at R = 1, interleaved, in tokens per second.
+
+The script uses only public API, so the same file measures an older checkout: run it with
+`PYTHONPATH=<checkout>/src` to get the "before" figures.
 
 Usage:
-    python benchmarks/bench_round_split.py [--targets tiny smollm] [--repeats 5] [--threads 2] [--out FILE]
+    python benchmarks/bench_round_split.py [--targets tiny smollm] [--repeats 5] [--threads 2] [--engine] [--out FILE]
 """
 
 from __future__ import annotations
@@ -86,7 +95,27 @@ def measure(target, inputs, draft, max_new_tokens: int) -> dict:
     out = {key: value / rounds for key, value in totals.items()}
     out["round"] = sum(out.values())
     out["wall_per_round"] = wall / rounds
+    out["host"] = out["wall_per_round"] - out["round"]
     return out
+
+
+def engine_vs_generate(target, inputs, max_new_tokens: int, repeats: int) -> dict:
+    """Tokens/s of plain `generate()` and of the engine's plain batched mode at R = 1, interleaved."""
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    engine = DSparkEngine(target, None, policy="none", max_batch_size=1)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    plain, batched = [], []
+    for _ in range(repeats):
+        for ids in inputs:
+            start = time.perf_counter()
+            out = target.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+            plain.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            res = engine.generate([ids[0].tolist()], params)[0]
+            batched.append(len(res.token_ids) / (time.perf_counter() - start))
+    plain_tps, engine_tps = statistics.median(plain), statistics.median(batched)
+    return {"plain_generate_tok_s": plain_tps, "engine_none_r1_tok_s": engine_tps, "ratio": engine_tps / plain_tps}
 
 
 def main() -> None:
@@ -96,7 +125,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--markov-rank", type=int, default=256)
+    parser.add_argument("--markov-rank", type=int, default=64)
+    parser.add_argument("--engine", action="store_true", help="also: engine plain batched vs generate() at R = 1")
     parser.add_argument("--out", default="benchmarks/results/round_split.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -141,15 +171,22 @@ def main() -> None:
         report["results"][name] = rows
         print(f"\n== {name}: per-round medians over {args.repeats} repeats ({args.threads} threads)")
         print(
-            f"{'head':8} {'backbone':>9} {'seq loop':>9} {'verify':>9} {'round':>9} {'seq share':>10} "
+            f"{'head':8} {'backbone':>9} {'seq loop':>9} {'verify':>9} {'host':>9} {'round':>9} {'seq share':>10} "
             f"{'head overhead':>14} {'round vs none':>14}"
         )
         for head, r in rows.items():
             print(
                 f"{head:8} {r['draft_backbone_ms']:8.1f}m {r['sequential_loop_ms']:8.1f}m "
-                f"{r['target_verification_ms']:8.1f}m {r['round_ms']:8.1f}m "
+                f"{r['target_verification_ms']:8.1f}m {r['host_ms']:8.1f}m {r['round_ms']:8.1f}m "
                 f"{100 * r['sequential_share_of_round']:9.1f}% {100 * r['sequential_overhead_vs_none']:+13.1f}% "
                 f"{100 * r['overhead_vs_none']:+13.1f}%"
+            )
+        if args.engine:
+            rows_engine = engine_vs_generate(target, inputs, args.max_new_tokens, args.repeats)
+            report["results"][name + "_engine_r1"] = rows_engine
+            print(
+                f"plain generate() {rows_engine['plain_generate_tok_s']:.1f} tok/s, engine plain batched R=1 "
+                f"{rows_engine['engine_none_r1_tok_s']:.1f} tok/s: {rows_engine['ratio']:.2f}x"
             )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -52,3 +52,15 @@ def pytest_sessionfinish(session, exitstatus):
 def user_cache_folder() -> Path:
     """The user's real dspark_hf cache folder (which no test may write to)."""
     return USER_CACHE
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other test processes for cores). A module
+    opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

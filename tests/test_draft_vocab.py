@@ -30,7 +30,8 @@ from scipy import stats
 from transformers import AutoModel, GenerationConfig, LogitsProcessorList, SuppressTokensLogitsProcessor
 
 from dspark_hf import DSparkConfig, DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec
-from dspark_hf.decoding.engine_batch import RowSampler, sample_block
+from dspark_hf.decoding.drafting import RowsSampler, sample_block
+from dspark_hf.decoding.engine_batch import RowSampler
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.model.vocab import frequent_token_ids
 from test_sampling_exactness import (
@@ -56,12 +57,7 @@ EXCLUDED_TOP = 8  # the "excluding" subset leaves out the target's 8 most freque
 SAMPLING_SUBSET = [0, 1, 3]  # token 2 of the 4-token target is never drafted
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- API
@@ -263,7 +259,8 @@ def test_engine_sample_block_fallback_when_processors_exclude_the_subset():
     base = draft.draft_logits(hidden)
     suppress = RowSampler(processors=LogitsProcessorList([SuppressTokensLogitsProcessor(subset)]), do_sample=True)
     plain = RowSampler(do_sample=True, generator=torch.Generator().manual_seed(0))
-    tokens, q, _ = sample_block(draft, hidden, base, [4, 5], [suppress, plain], [[1, 4], [1, 5]])
+    block = sample_block(draft, hidden, base, torch.tensor([4, 5]), RowsSampler([suppress, plain], [[1, 4], [1, 5]]))
+    tokens, q = block.tokens, block.logits
     assert not set(tokens[0].tolist()) & set(subset), "row 0 must draft from outside the (suppressed) subset"
     assert set(tokens[1].tolist()) <= set(subset)
     assert torch.isfinite(q[0]).sum(-1).tolist() == [VOCAB - len(subset)] * 3

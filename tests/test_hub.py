@@ -29,12 +29,7 @@ TARGET_ID = "alice/tiny-target"
 REPO_FILES = [".gitattributes", "README.md", "config.json", "model.safetensors"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

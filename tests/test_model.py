@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dspark_hf import DSparkDraftModel
-from dspark_hf.model.modeling import DSparkCache, block_attention_mask
+from dspark_hf.decoding.caches import KVStore
+from dspark_hf.model.modeling import block_attention_mask
 
 from helpers import make_target
 
@@ -24,11 +25,12 @@ def _draft(head="markov", **kw):
 
 def _inference_block(draft, feats, anchor_pos, block_ids, prev_ids):
     """The path generate() takes: cache the context, run one block, then the sequential loop step by step."""
-    cache = DSparkCache(len(draft.layers))
+    cache = KVStore(anchor_pos)
     ctx = draft.project_context(feats[:, :anchor_pos])
-    draft.extend_context(cache, ctx, torch.arange(anchor_pos)[None])
+    draft.extend_context([(cache, anchor_pos)], ctx, torch.arange(anchor_pos)[None])
     positions = torch.arange(anchor_pos, anchor_pos + draft.config.block_size)[None]
-    hidden = draft.run_backbone(draft.embed_tokens(block_ids), positions, cache)
+    context_kv = [tuple(t[None] for t in cache.layer(i)) for i in range(len(draft.layers))]
+    hidden = draft.run_backbone(draft.embed_tokens(block_ids), positions, context_kv)
     base = draft.lm_head(hidden)[0]
     head, logits, confs = draft.markov_head, [], []
     state = head.init_state(1, hidden[0]) if head is not None else None
@@ -91,13 +93,14 @@ def test_cache_grows_incrementally_like_one_shot():
     target, draft = _draft()
     feats = torch.randn(1, 9, draft.fc.in_features, dtype=draft.dtype)
     ctx = draft.project_context(feats)
-    one, parts = DSparkCache(2), DSparkCache(2)
-    draft.extend_context(one, ctx, torch.arange(9)[None])
+    one, parts = KVStore(9), KVStore(9)
+    draft.extend_context([(one, 9)], ctx, torch.arange(9)[None])
     for lo, hi in [(0, 4), (4, 5), (5, 9)]:
-        draft.extend_context(parts, ctx[:, lo:hi], torch.arange(lo, hi)[None])
+        draft.extend_context([(parts, hi - lo)], ctx[:, lo:hi], torch.arange(lo, hi)[None])
     assert len(one) == len(parts) == 9
-    for a, b in zip(one.keys + one.values, parts.keys + parts.values):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    for i in range(2):
+        for a, b in zip(one.layer(i), parts.layer(i)):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("head", ["markov", "gated", "rnn", "none"])

@@ -84,13 +84,7 @@ CONFIDENCE_BY_PREV_TOKEN = [-1.0, 0.5, 2.0, 3.0]
 ACCEPTANCE_BIAS = 1.15  # the negative control accepts when r <= ACCEPTANCE_BIAS * p/q
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other test processes for cores)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _exact_joint(target) -> np.ndarray:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ._paths import cache_dir
+from ._transformers import drop_quantizer
 from .extras import require
 
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -57,10 +58,8 @@ def _convert_gguf(gguf_folder: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(gguf_folder), gguf_file=_GGUF_FILE)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_folder), gguf_file=_GGUF_FILE)
         # transformers refuses to save a model it loaded through a quantizer; the weights are plain fp32 now.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config._name_or_path = DEFAULT_TARGET_HUB_ID
+        drop_quantizer(model)
+        model.config.name_or_path = DEFAULT_TARGET_HUB_ID
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if out.exists():
@@ -102,7 +101,7 @@ def load_default_target(dtype=None, device=None):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype)).eval()
     if device is not None:
         model.to(device)
-    model.config._name_or_path = DEFAULT_TARGET_HUB_ID
+    model.config.name_or_path = DEFAULT_TARGET_HUB_ID
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -183,7 +182,7 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
 def _is_default_target(target) -> bool:
     config = target.config
     return (
-        getattr(config, "_name_or_path", None) == DEFAULT_TARGET_HUB_ID
+        getattr(config, "name_or_path", None) == DEFAULT_TARGET_HUB_ID
         and config.vocab_size == 49152
         and config.hidden_size == 576
         and config.num_hidden_layers == 30

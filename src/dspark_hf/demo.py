@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ._transformers import model_name
 from .decoding.stats import GenerationStats
 from .scheduling.policies import ScheduleContext, VerificationPolicy, resolve_policy
 
@@ -581,7 +582,7 @@ def build_app(target, tokenizer, draft, *, fresh: bool = False, caps: Caps | Non
     gr = _import_gradio()
     caps = caps or Caps()
     block_size = draft.config.block_size
-    name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+    name = model_name(target)
     respond = make_respond(target, tokenizer, draft, caps)
 
     with gr.Blocks(title="dspark demo", analytics_enabled=False) as app:

@@ -41,22 +41,31 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cpu_packing import cpu_packing_enabled, packed_linears
-from ..scheduling.policies import ScheduleContext, resolve_policy, survival_probabilities
+from ..scheduling.policies import ScheduleContext, resolve_policy
+from .caches import KVStore
+from .drafting import (
+    RowsSampler,
+    draft_block,
+    empty_round_stats,
+    ingest,
+    read_round,
+    round_stats,
+    sample_block,
+    score_block,
+    verified_lengths,
+)
 from .engine_batch import (
     LAYOUTS,
-    KVStore,
     RowSampler,
+    accept_greedy_rows,
     accept_row,
     build_processors,
     context_limit,
-    draft_block,
-    draft_ingest,
     linear_cost_in_keys,
     ragged_target_forward,
-    sample_block,
 )
 from .metrics import EngineMetrics
-from .stats import GenerationStats, RoundStats
+from .stats import GenerationStats
 
 
 @dataclass
@@ -244,7 +253,9 @@ class DSparkEngine:
                     with packed_linears(target, enabled=self.cpu_packing):  # measured as it will run
                         sps = get_sps_profile(target)
                 self.schedule_context.sps = sps.sps
-            self.temperatures = torch.tensor(draft.config.calibration_temperatures, dtype=torch.float32)
+            self.temperatures = torch.tensor(
+                draft.config.calibration_temperatures, dtype=torch.float32, device=draft.device
+            )
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
         self.metrics = EngineMetrics(block_size=max(self.gamma, 1))
         self._queue: deque[_Request] = deque()
@@ -455,7 +466,7 @@ class DSparkEngine:
             logits = req.sampler.process(req.prompt, out.logits[i])
             firsts.append(req.sampler.pick(logits[0]))
         if self.speculate:
-            draft_ingest(self.draft, [r.dkv for r in reqs], out.features)
+            ingest(self.draft, [r.dkv for r in reqs], out.features)
         for req, token in zip(reqs, firsts):
             req.times["first_token"] = time.perf_counter()
             self._emit(req, [token], events)
@@ -469,20 +480,23 @@ class DSparkEngine:
         budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
         drafted = [[] for _ in reqs]
         lengths = [0] * len(reqs)
-        q_logits, conf_logits, survival, raw_survival = None, None, None, None
+        block = host = None
         context = self.schedule_context
         context.planned_length = None
+        t_head = t0
         if self.speculate and max(budgets) > 0:
             # a policy may fix the length before drafting; 0 means this round is a plain decoding step
             context.planned_length = self.policy.plan_length(len(reqs), self.gamma, context)
         if self.speculate and max(budgets) > 0 and context.planned_length != 0:
-            hidden, base = draft_block(self.draft, [r.dkv for r in reqs], anchors)
-            histories = [r.prompt + r.tokens for r in reqs] if any(r.sampler.processors for r in reqs) else None
-            tokens, q_logits, conf_logits = sample_block(
-                self.draft, hidden, base, anchors, [r.sampler for r in reqs], histories or [[] for _ in reqs]
-            )
-            drafted = tokens.tolist()
-            lengths, survival, raw_survival = self._schedule(drafted, conf_logits, budgets, reqs)
+            anchor_ids = torch.tensor(anchors, device=self.draft.device)
+            hidden, base = draft_block(self.draft, [r.dkv for r in reqs], anchor_ids)
+            t_head = time.perf_counter()
+            histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
+            sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
+            block = sample_block(self.draft, hidden, base, anchor_ids, sampler)
+            host = read_round(block, score_block(block, self.temperatures))
+            drafted = host.tokens
+            lengths = verified_lengths(self.policy, context, host, budgets, [r.eos for r in reqs])
         t1 = time.perf_counter()
         rows = [[a] + d[:n] for a, d, n in zip(anchors, drafted, lengths)]
         out = ragged_target_forward(
@@ -490,28 +504,24 @@ class DSparkEngine:
             self.layout, self._linear_cost,
         )  # fmt: skip
         self.metrics.layout_counts[out.layout] += 1
-        emitted, features, outcomes = [], [], []
+        outcomes = self._accept(reqs, block, drafted, lengths, out.logits)
+        emitted, features = [], []
         for i, req in enumerate(reqs):
-            q = q_logits[i, : lengths[i]] if q_logits is not None else None
-            history = req.prompt + req.tokens if req.sampler.processors else []  # only processors read it
-            n, token = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, out.logits[i])
+            n, token = outcomes[i]
             req.kv.append([(k[:, : n + 1], v[:, : n + 1]) for k, v in out.new_kv[i]])  # keep committed only
             if self.speculate:
                 features.append(out.features[i][: n + 1])
             emitted.append(drafted[i][:n] + [token])
-            outcomes.append(n)
             self.metrics.record_request_round(lengths[i], n)
         if self.speculate:
-            draft_ingest(self.draft, [r.dkv for r in reqs], features)
+            ingest(self.draft, [r.dkv for r in reqs], features)
         t2 = time.perf_counter()
         for i, req in enumerate(reqs):
             if self.speculate:  # a row without budget drafted nothing useful: recorded as an empty block
-                has = budgets[i] > 0 and bool(drafted[i])
-                stats = _round_stats(
-                    drafted[i] if has else [], conf_logits if has else None, survival, i, self.temperatures
-                )
-                stats.verified, stats.accepted = lengths[i], outcomes[i]
-                stats.draft_time, stats.verify_time = t1 - t0, t2 - t1
+                has = host is not None and budgets[i] > 0
+                stats = round_stats(host, i, lengths[i]) if has else empty_round_stats()
+                stats.accepted = outcomes[i][0]
+                stats.draft_time, stats.sequential_time, stats.verify_time = t_head - t0, t1 - t_head, t2 - t1
                 req.stats.rounds.append(stats)
             self._emit(req, emitted[i], events)
         m = self.metrics
@@ -522,43 +532,38 @@ class DSparkEngine:
         m.verify_seconds += t2 - t1
         computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
         m.computed_tokens += computed
-        m.drafting_rounds += survival is not None
+        m.drafting_rounds += host is not None
         if self.speculate:
             self.policy.observe_round(
                 context,
                 rows=len(reqs),
                 forward_tokens=computed,
                 rest_seconds=time.perf_counter() - t1,
-                draft_seconds=t1 - t0 if survival is not None else None,
-                survival=raw_survival,
+                draft_seconds=t1 - t0 if host is not None else None,
+                survival=torch.tensor(host.survival) if host is not None and host.confidence_logits else None,
                 verified=lengths,
-                accepted=outcomes,
+                accepted=[n for n, _ in outcomes],
             )
 
-    def _schedule(self, drafted, conf_logits, budgets, reqs) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """Lengths from the policy over the batch's survival matrix; positions past a request's budget get 0.
-
-        Also returns the survival matrix (budget-clipped) and, with a confidence head, the unclipped one.
-        """
-        rows = len(drafted)
-        raw = None
-        if conf_logits is not None:
-            temps = self.temperatures.to(conf_logits.device)
-            survival = survival_probabilities(torch.sigmoid(conf_logits.float() / temps)).cpu()
-            raw = survival.clone()
-        else:
-            survival = torch.ones(rows, self.gamma)
-        for i, b in enumerate(budgets):
-            survival[i, b:] = 0.0
-        lengths = self.policy.choose_lengths(survival, self.schedule_context).tolist()
-        lengths = [min(int(n), b) for n, b in zip(lengths, budgets)]
-        for i, req in enumerate(reqs):  # never verify past an EOS: nothing after it can be emitted
-            eos_at = next((k for k, t in enumerate(drafted[i][: lengths[i]]) if t in req.eos), None)
-            if eos_at is not None:
-                lengths[i] = eos_at + 1
-        if conf_logits is not None:
-            self.schedule_context.previous_survival = survival
-        return lengths, survival, raw
+    def _accept(self, reqs, block, drafted, lengths, target_logits) -> list[tuple[int, int]]:
+        """Each row's (accepted drafts, next token): greedy rows without processors all at once (one host
+        read), the others one by one."""
+        greedy = [i for i, r in enumerate(reqs) if not r.sampler.do_sample and not r.sampler.processors]
+        outcomes: list[tuple[int, int] | None] = [None] * len(reqs)
+        if greedy:
+            tokens = None
+            if block is not None:
+                tokens = block.tokens if len(greedy) == len(reqs) else block.tokens[greedy]
+            accepted = accept_greedy_rows(tokens, [lengths[i] for i in greedy], [target_logits[i] for i in greedy])
+            for i, outcome in zip(greedy, accepted):
+                outcomes[i] = outcome
+        for i, req in enumerate(reqs):
+            if outcomes[i] is not None:
+                continue
+            q = block.logits[i, : lengths[i]] if block is not None else None
+            history = req.prompt + req.tokens if req.sampler.processors else []  # only processors read it
+            outcomes[i] = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, target_logits[i])
+        return outcomes
 
     def _emit(self, req: _Request, tokens: list[int], events: list[StreamEvent]) -> None:
         new = []
@@ -594,15 +599,6 @@ class DSparkEngine:
             times=req.times,
         )
         events.append(StreamEvent(req.rid, new, text, finished=True, output=output))
-
-
-def _round_stats(drafted, conf_logits, survival, i, temperatures) -> RoundStats:
-    """Row `i`'s drafted block and the scheduler's view of it (verified/accepted are filled in by the caller)."""
-    if conf_logits is None:
-        return RoundStats(drafted, [], [], [], [], 0)
-    z = conf_logits[i].float().cpu()
-    calibrated = torch.sigmoid(z / temperatures)
-    return RoundStats(drafted, z.tolist(), torch.sigmoid(z).tolist(), calibrated.tolist(), survival[i].tolist(), 0)
 
 
 def _per_prompt(sampling_params, n: int) -> list:

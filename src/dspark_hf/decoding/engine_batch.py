@@ -1,12 +1,11 @@
-"""The batched building blocks of [`DSparkEngine`]: ragged target forwards, batched drafting, per-row acceptance.
+"""The target side of [`DSparkEngine`]'s round: ragged target forwards and per-row acceptance.
 
 Everything here works on *rows* (one per active request) whose lengths differ, and is free of scheduling
-and request bookkeeping (that is `dspark_hf.decoding.engine`):
+and request bookkeeping (that is `dspark_hf.decoding.engine`); the draft side of the round is
+`dspark_hf.decoding.drafting`, shared with `generate()`.
 
-* [`KVStore`] holds one request's keys/values (target or draft), one `[kv_heads, T, head_dim]` pair per
-  layer, in buffers that grow by doubling up to the request's reservation, so memory stays bounded by it.
-* [`ragged_target_forward`] runs ONE target forward over all rows, each with its own cached context and its
-  own number of new tokens, in one of two layouts:
+* [`ragged_target_forward`] runs ONE target forward over all rows, each with its own cached context
+  ([`KVStore`], `dspark_hf.decoding.caches`) and its own number of new tokens, in one of two layouts:
 
   - `"padded"`: rows stacked as a batch; the past is right-padded to the longest context and the new
     tokens to the longest row. A 4D boolean mask lets each query see its own row's past and, causally, its
@@ -23,26 +22,19 @@ and request bookkeeping (that is `dspark_hf.decoding.engine`):
   All are exact (up to float rounding; tests run the tiny targets in fp64). The new keys/values of each
   row come back so the caller can keep exactly the committed ones: rolling back rejected drafts is simply
   not copying them.
-* [`draft_ingest`] projects newly committed target features into each request's draft context (packed, no
-  attention); [`draft_block`] runs the draft backbone for all rows at once (the draft's queries are always
-  γ per row, so only its context is padded).
-* [`sample_block`] is the sequential head, vectorised over rows, with each request's logits processors and
-  random generator; [`accept_row`] applies greedy or rejection-sampling acceptance
-  (`dspark_hf.decoding.verification`) to one row. With a draft vocabulary subset (`draft.set_draft_vocab`) both
-  compute logits over the subset only, and `sample_block` expands them to the full vocabulary (`-inf`
-  outside the subset) before the processors, exactly as `generate()` does.
+* [`RowSampler`] is one request's processors, mode and generator; [`accept_row`] applies greedy or
+  rejection-sampling acceptance (`dspark_hf.decoding.verification`) to one row, and [`accept_greedy_rows`]
+  verifies all greedy rows without processors at once, with one host read.
 * [`build_processors`] and [`context_limit`] turn a request's sampling parameters and the target's config
   into the processors and the length cap the rows above use.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import (
-    DynamicCache,
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -50,59 +42,17 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..model.configuration import hidden_state_indices
-from .generation import _HIDDEN_STATES_BY_INDEX
+from .._transformers import (
+    cache_kwarg,
+    filled_cache,
+    forward_accepts,
+    hidden_states_request,
+    selected_hidden_states,
+)
+from .caches import KVStore
 from .verification import greedy_accept, speculative_accept
 
 LAYOUTS = ("padded", "packed", "auto")
-
-
-class KVStore:
-    """Keys and values of one request's committed tokens, per layer `[kv_heads, T, head_dim]`.
-
-    Args:
-        max_tokens (`int`): the request's reservation; appending beyond it is a bookkeeping error.
-    """
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.length = 0
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def nbytes(self) -> int:
-        """`int`: bytes allocated (capacity, not just the used length)."""
-        return sum(t.numel() * t.element_size() for t in self._keys + self._values)
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views `[kv_heads, T, head_dim]` of layer `i`'s keys and values."""
-        return self._keys[i][:, : self.length], self._values[i][:, : self.length]
-
-    def append(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append `n` tokens: one `(keys, values)` pair `[kv_heads, n, head_dim]` per layer."""
-        n = kvs[0][0].shape[1]
-        needed = self.length + n
-        if needed > self.max_tokens:
-            raise RuntimeError(f"KV store overflow: {needed} tokens for a reservation of {self.max_tokens}.")
-        if not self._keys or needed > self._keys[0].shape[1]:
-            # doubling keeps appends amortised O(n); the cap keeps memory within the reservation
-            capacity = min(self.max_tokens, max(needed, 2 * (self._keys[0].shape[1] if self._keys else 0), 16))
-            self._keys = [self._grow(old, k, capacity) for old, (k, _) in _zip_old(self._keys, kvs)]
-            self._values = [self._grow(old, v, capacity) for old, (_, v) in _zip_old(self._values, kvs)]
-        for i, (k, v) in enumerate(kvs):
-            self._keys[i][:, self.length : needed] = k
-            self._values[i][:, self.length : needed] = v
-        self.length = needed
-
-    def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        buf = like.new_empty(like.shape[0], capacity, like.shape[2])
-        if old is not None:
-            buf[:, : self.length] = old[:, : self.length]
-        return buf
 
 
 def linear_cost_in_keys(target) -> float:
@@ -141,10 +91,6 @@ def choose_layout(lengths: list[int], counts: list[int], linear_cost: float) -> 
     return "packed" if packed < forward_cost("padded", lengths, counts, linear_cost) else "padded"
 
 
-def _zip_old(old: list[torch.Tensor], kvs: list) -> list:
-    return list(zip(old if old else [None] * len(kvs), kvs))
-
-
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     """Stack `[kv_heads, T_r, head_dim]` tensors into `[R, kv_heads, length, head_dim]`, zero-padded at the end."""
     first = tensors[0]
@@ -170,28 +116,6 @@ class RaggedOutput:
     features: list[torch.Tensor] | None
     new_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
     layout: str = "padded"
-
-
-def _filled_cache(data: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A `DynamicCache` holding `data` (one `(keys, values)` per layer) without copying it.
-
-    `DynamicCache(ddp_cache_data=...)` would concatenate every tensor onto an empty one (a full copy of the
-    batch's KV each round); handing the tensors to the layers directly avoids that. Falls back to the
-    copying constructor if a transformers release stores layer tensors differently.
-    """
-    if not data:
-        return DynamicCache()
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in data])
-    for layer, (k, v) in zip(cache.layers, data):
-        layer.keys, layer.values = k, v
-    if cache.get_seq_length() != data[0][0].shape[-2]:
-        return DynamicCache(ddp_cache_data=data)
-    return cache
-
-
-def _cache_kwarg(target) -> str:
-    # transformers renamed `past_key_values` to `cache` (the old name warns in 5.24)
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -270,15 +194,15 @@ def ragged_target_forward(
             tuple(torch.cat([layer_kv(s, i, kv) for s in stores], dim=1)[None] for kv in (0, 1))
             for i in range(num_layers)
         ]
-    cache = _filled_cache(data)
-    kwargs = {_cache_kwarg(target): cache, "use_cache": True}
+    cache = filled_cache(data)
+    kwargs = {cache_kwarg(target): cache, "use_cache": True}
     if layer_ids:
-        kwargs["output_hidden_states"] = hidden_state_indices(layer_ids) if _HIDDEN_STATES_BY_INDEX else True
+        kwargs["output_hidden_states"] = hidden_states_request(layer_ids)
     # Only the logits the caller needs go through the LM head (a prefill row needs just its last position).
     # `logits_to_keep` selects query positions shared by all batch rows.
     wanted = sorted({q0 + j for (_, q0, _), row_keep in zip(spans, keep) for j in row_keep})
     column = {q: q for q in range(width)}
-    if "logits_to_keep" in inspect.signature(target.forward).parameters:
+    if forward_accepts(target, "logits_to_keep"):
         kwargs["logits_to_keep"] = torch.tensor(wanted, device=device)
         column = {q: i for i, q in enumerate(wanted)}
     # additive float mask (works for eager and SDPA attention alike): a large negative value where masked
@@ -287,63 +211,13 @@ def ragged_target_forward(
     logits = [out.logits[b, [column[q0 + j] for j in row_keep]] for (b, q0, _), row_keep in zip(spans, keep)]
     features = None
     if layer_ids:
-        feats = torch.cat([out.hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
+        feats = selected_hidden_states(out.hidden_states, layer_ids)
         features = [feats[b, q0:q1] for b, q0, q1 in spans]
     new_kv = [
         [(layer.keys[b, :, past + q0 : past + q1], layer.values[b, :, past + q0 : past + q1]) for layer in cache.layers]
         for b, q0, q1 in spans
     ]
     return RaggedOutput(logits=logits, features=features, new_kv=new_kv, layout=layout)
-
-
-# ---------------------------------------------------------------------- draft side
-@torch.no_grad()
-def draft_ingest(draft, stores: list[KVStore], features: list[torch.Tensor]) -> None:
-    """Append newly committed target features (`[c_r, m·d]` per row) to each row's draft context.
-
-    Projection and K/V are per token (no attention), so all rows are packed into one sequence.
-    """
-    rows = [(s, f) for s, f in zip(stores, features) if f.shape[0] > 0]
-    if not rows:
-        return
-    device = draft.device
-    context = draft.project_context(torch.cat([f for _, f in rows]).to(device)[None])
-    positions = torch.cat([torch.arange(len(s), len(s) + f.shape[0]) for s, f in rows])[None].to(device)
-    kvs = draft.context_kv(context, positions)  # per layer ([1, kv_heads, Σc, hd], ...)
-    offset = 0
-    for store, feats in rows:
-        c = feats.shape[0]
-        store.append([(k[0, :, offset : offset + c], v[0, :, offset : offset + c]) for k, v in kvs])
-        offset += c
-
-
-@torch.no_grad()
-def draft_block(draft, stores: list[KVStore], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batched backbone forward over `[anchor_r, mask × (γ-1)]` for every row.
-
-    Row `r`'s anchor sits at position `len(stores[r])` (the draft context holds every committed token).
-    Contexts are right-padded to the longest and masked out.
-
-    Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: final states `[R, γ, d]` and base logits `[R, γ, K]` over the draft
-        vocabulary (`K = V` without a subset; see `DSparkDraftModel.draft_logits`).
-    """
-    gamma = draft.config.block_size
-    device = draft.device
-    rows = len(anchors)
-    lengths = [len(s) for s in stores]
-    past = max(lengths)
-    context = [
-        tuple(_pad_stack([s.layer(i)[kv] for s in stores], past) for kv in (0, 1)) for i in range(len(draft.layers))
-    ]
-    mask = torch.ones(rows, 1, gamma, past + gamma, dtype=torch.bool)
-    for r, t in enumerate(lengths):
-        mask[r, :, :, t:past] = False
-    block = torch.full((rows, gamma), draft.config.mask_token_id, dtype=torch.long)
-    block[:, 0] = torch.tensor(anchors)
-    positions = torch.tensor(lengths)[:, None] + torch.arange(gamma)
-    hidden = draft.run_backbone(draft.embed_tokens(block.to(device)), positions.to(device), context, mask.to(device))
-    return hidden, draft.draft_logits(hidden)
 
 
 @dataclass
@@ -375,65 +249,6 @@ class RowSampler:
             probs = torch.softmax(logits.double(), dim=-1)
             return int(torch.multinomial(probs, 1, generator=self.generator))
         return int(logits.argmax())
-
-
-@torch.no_grad()
-def sample_block(
-    draft,
-    hidden: torch.Tensor,
-    base_logits: torch.Tensor,
-    anchors: list[int],
-    samplers: list[RowSampler],
-    histories: list[list[int]],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The sequential head for all rows: `q_k = process(U_k + B_k(x_{k-1}))`, `x_k ~ q_k`, left to right.
-
-    The head's step is batched over rows; processors and sampling run per row (each request has its own).
-    `base_logits` is `[R, γ, K]` over the draft vocabulary; each position's logits are expanded to `[R, V]`
-    (`-inf` outside the subset) before the processors, and a row the processors leave without any token of
-    the subset falls back to the full vocabulary at that position.
-
-    Returns:
-        `tuple`: drafted tokens `[R, γ]`, processed draft logits `[R, γ, V]` (the `q` of verification) and
-        confidence logits `[R, γ]` (`None` without a confidence head).
-    """
-    head, conf_head = draft.markov_head, draft.confidence_head
-    vocab = draft.draft_vocab_ids
-    rows, gamma = hidden.shape[:2]
-    device = draft.device
-    prev = torch.tensor(anchors, device=device)
-    state = head.init_state(rows, hidden) if head is not None else None
-    seqs = [list(h) for h in histories]
-    tokens, logits_out, conf_out = [], [], []
-    for k in range(gamma):
-        h_k = hidden[:, k]
-        prev_embed = head.embed(prev) if head is not None else None
-        logits, state_before = base_logits[:, k], state
-        if head is not None:
-            bias, state = head.step(h_k, prev_embed, state, vocab)
-            logits = logits + bias.to(logits.dtype)
-        if conf_head is not None:
-            conf_out.append(conf_head(h_k, prev_embed).float())
-        logits = draft.expand_draft_logits(logits)  # [R, V]: -inf outside the draft vocabulary
-        if any(s.processors for s in samplers):
-            logits = torch.cat([s.process(seq, logits[r : r + 1]) for r, (s, seq) in enumerate(zip(samplers, seqs))])
-        if vocab is not None:  # rows whose processors excluded the whole subset: full vocabulary there
-            for r in (~torch.isfinite(logits).any(dim=-1)).nonzero()[:, 0].tolist():
-                row_state = state_before[r : r + 1] if state_before is not None else None
-                embed_r = prev_embed[r : r + 1] if prev_embed is not None else None
-                full = draft.full_vocab_logits(h_k[r : r + 1], embed_r, row_state)
-                logits[r] = samplers[r].process(seqs[r], full)[0].to(logits.dtype)
-        if any(s.do_sample for s in samplers):
-            picked = [s.pick(logits[r]) for r, s in enumerate(samplers)]
-        else:
-            picked = logits.argmax(dim=-1).tolist()
-        for seq, t in zip(seqs, picked):
-            seq.append(t)
-        prev = torch.tensor(picked, device=device)
-        tokens.append(prev)
-        logits_out.append(logits)
-    conf = torch.stack(conf_out, dim=1) if conf_out else None
-    return torch.stack(tokens, dim=1), torch.stack(logits_out, dim=1), conf
 
 
 def accept_row(
@@ -473,6 +288,40 @@ def accept_row(
     p = torch.softmax(target_logits.double(), dim=-1)
     q = torch.softmax(draft_logits.to(device).double(), dim=-1)
     return speculative_accept(x, q, p, generator=sampler.generator)
+
+
+def accept_greedy_rows(
+    drafts: torch.Tensor | None, lengths: list[int], target_logits: list[torch.Tensor]
+) -> list[tuple[int, int]]:
+    """Greedy verification of rows without processors, all at once, with one host read.
+
+    Args:
+        drafts (`torch.LongTensor` of shape `(R, γ)`, *optional*): the drafted tokens on the device (`None`
+            when nothing was drafted).
+        lengths (`list[int]`): how many of row `r`'s drafts were verified (`ℓ_r`).
+        target_logits (`list[torch.Tensor]`): row `r`'s raw target logits `[ℓ_r + 1, V]`.
+
+    Returns:
+        `list[tuple[int, int]]`: per row, the accepted drafts `n` and the target's token at position `n` (as
+        [`greedy_accept`] computes it for one row).
+    """
+    width = max(lengths) + 1
+    choice = torch.stack([nn_pad(row.argmax(dim=-1), width) for row in target_logits])  # [R, width]
+    if drafts is None or width == 1:
+        accepted = torch.zeros(len(lengths), dtype=torch.long, device=choice.device)
+    else:
+        verified = (
+            torch.arange(width - 1, device=choice.device)[None] < torch.tensor(lengths, device=choice.device)[:, None]
+        )
+        matches = (choice[:, : width - 1] == drafts[:, : width - 1].to(choice.device)) & verified
+        accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1)
+    bonus = choice.gather(1, accepted[:, None])[:, 0]
+    return [(int(n), int(t)) for n, t in torch.stack([accepted, bonus], dim=1).tolist()]  # the host read
+
+
+def nn_pad(row: torch.Tensor, width: int) -> torch.Tensor:
+    """A 1-D tensor right-padded with zeros to `width`."""
+    return torch.nn.functional.pad(row, (0, width - row.numel()))
 
 
 # ---------------------------------------------------------------------- request-level helpers

@@ -640,7 +640,7 @@ def evaluate_drafts(
         methods[name] = {
             "kind": "draft",
             "block_size": int(draft.config.block_size),
-            "source": getattr(draft.config, "_name_or_path", "") or "",
+            "source": getattr(draft.config, "name_or_path", "") or "",
         }
     if prompt_lookup and 0 in temperatures:
         methods[PROMPT_LOOKUP] = {"kind": "prompt_lookup", "num_tokens": prompt_lookup_num_tokens}
@@ -700,7 +700,7 @@ def evaluate_drafts(
                 bar.set_postfix({f"τ {m}": f"{t:.2f}" for m, t in taus.items()})
 
     config = {
-        "target": getattr(target.config, "_name_or_path", ""),
+        "target": getattr(target.config, "name_or_path", ""),
         "target_dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "device": str(target.device),
         "sets": {s: len(rows) for s, rows in items.items()},

@@ -37,7 +37,7 @@ def check_target_compatibility(config: DSparkConfig, target: Any) -> None:
             f"trained for a different target (recorded: {config.target_name_or_path!r})?"
         )
     recorded = config.target_name_or_path
-    actual = getattr(tcfg, "_name_or_path", None) or None
+    actual = getattr(tcfg, "name_or_path", None) or None
     if recorded and actual and _short_name(recorded) != _short_name(actual):
         warnings.warn(
             f"This draft was built for target {recorded!r} but is used with {actual!r}. Shapes match, so "

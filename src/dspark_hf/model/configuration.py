@@ -11,28 +11,14 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from .._transformers import commit_hash
+
 SEQUENTIAL_HEADS = ("markov", "gated", "rnn", "none")
 LAYER_STYLES = ("qwen3", "gemma4")
 # Rotary types the draft layers compute exactly as transformers' rotary classes do. "dynamic" and "longrope"
 # change their frequencies with the sequence length at run time and are refused rather than approximated.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 EMBEDDING_LAYER_ID = -1  # in `target_layer_ids`: the target's embedding output (DeepSpec's convention)
-
-
-def hidden_state_indices(layer_ids: list[int]) -> list[int]:
-    """Positions in transformers' `output_hidden_states` tuple of the target layers `layer_ids`.
-
-    Entry 0 of that tuple is the embedding output and entry `l + 1` the output of decoder layer `l`, so a layer
-    id maps to `l + 1` and the embedding output (`-1`, as in DeepSpec) to 0. Every driver (generation, engine,
-    training features) reads the target's hidden states through this one function.
-
-    Args:
-        layer_ids (`list[int]`): `target_layer_ids` of a draft (0-based layers, optionally `-1` first).
-
-    Returns:
-        `list[int]`: indices into `hidden_states`.
-    """
-    return [int(i) + 1 for i in layer_ids]
 
 
 def rope_parameters_of(text_config: Any) -> dict:
@@ -394,8 +380,8 @@ class DSparkConfig(PreTrainedConfig):
             "hidden_act": getattr(tcfg, "hidden_act", None) or getattr(tcfg, "hidden_activation", None) or "silu",
             "final_logit_softcapping": getattr(tcfg, "final_logit_softcapping", None),
             "max_position_embeddings": getattr(tcfg, "max_position_embeddings", 32768),
-            "target_name_or_path": getattr(tcfg, "_name_or_path", None) or None,
-            "target_revision": getattr(tcfg, "_commit_hash", None),
+            "target_name_or_path": getattr(tcfg, "name_or_path", None) or None,
+            "target_revision": commit_hash(tcfg),
             "target_hidden_size": tcfg.hidden_size,
             "target_vocab_size": tcfg.vocab_size,
             "target_num_hidden_layers": tcfg.num_hidden_layers,

@@ -5,8 +5,9 @@ Data flow of one drafting round (batch `B`, block size `γ`, `m` selected target
 1. `project_context`: the raw outputs of the selected target layers for newly committed tokens,
    `[B, T, m·d]`, are fused by `fc` and `hidden_norm` into context features `H_ctx`.
 2. `extend_context`: every draft layer projects `H_ctx` with its own `k_proj`/`v_proj` (k-norm, RoPE at
-   the tokens' absolute positions) and appends the result to a [`DSparkCache`]. Only committed tokens
-   ever enter the cache, so nothing needs rolling back after verification.
+   the tokens' absolute positions) and appends the result to the row's `KVStore`
+   (`dspark_hf.decoding.caches`). Only committed tokens ever enter the cache, so nothing needs rolling back
+   after verification.
 3. `run_backbone`: the block `[anchor, mask, …, mask]` (embedded with the target's own embedding) runs
    through the draft layers, attending to the cached context and bidirectionally within the block.
    After the final norm, the target's LM head gives the base logits `U_1..U_γ`.
@@ -43,29 +44,6 @@ from .hub import checkpoint_format, push_draft
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
 from .speculators_format import read_speculators_checkpoint
 from .vocab import SubsetRows, validate_vocab_ids
-
-
-class DSparkCache:
-    """Keys and values of the committed context, one `[B, kv_heads, T, head_dim]` pair per draft layer.
-
-    The block's own keys/values are never stored, so the cache only grows by committed tokens and needs no
-    rollback when drafted tokens are rejected.
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def __len__(self) -> int:
-        """Number of committed context tokens held."""
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
-
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            keys = torch.cat([self.keys[layer], keys], dim=-2)
-            values = torch.cat([self.values[layer], values], dim=-2)
-        self.keys[layer], self.values[layer] = keys, values
-        return keys, values
 
 
 @dataclass
@@ -142,6 +120,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
         self.policy = None  # default verification policy for generate(); see dspark_hf.scheduling.policies
         self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
+        # greedy guessed path of the sequential head (dspark_hf.decoding.drafting): None = on for a CPU draft
+        self.guessed_path: bool | None = None
         self.last_generation_stats = None
         self.post_init()
 
@@ -374,16 +354,26 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """Per-layer keys/values of projected context `[B, T, d]` at `positions` `[B, T]`."""
         return [layer.self_attn.context_kv(context, positions) for layer in self.layers]
 
-    def extend_context(self, cache: DSparkCache, context: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed context (projected features `[B, T, d]` at `positions`) to `cache`."""
-        for i, (keys, values) in enumerate(self.context_kv(context, positions)):
-            cache.append(i, keys, values)
+    def extend_context(self, stores, context: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed context to per-row stores (`dspark_hf.decoding.caches.KVStore`).
+
+        Args:
+            stores (`list[tuple[KVStore, int]]`): each row's store and its number of new tokens `n_r`; the rows'
+                tokens lie one after another in `context`.
+            context (`torch.Tensor` of shape `(1, Σ n_r, d)`): projected features ([`project_context`]).
+            positions (`torch.LongTensor` of shape `(1, Σ n_r)`): each token's absolute position in its row.
+        """
+        kvs = self.context_kv(context, positions)  # per layer ([1, kv_heads, Σn, hd], ...)
+        offset = 0
+        for store, n in stores:
+            store.append([(k[0, :, offset : offset + n], v[0, :, offset : offset + n]) for k, v in kvs])
+            offset += n
 
     def run_backbone(
         self,
         block_embeds: torch.Tensor,
         positions: torch.Tensor,
-        context_kv: DSparkCache | list[tuple[torch.Tensor, torch.Tensor]],
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the draft layers over block embeddings `[B, S, d]`; return final-normed states `[B, S, d]`.
@@ -391,8 +381,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         `attention_mask` (`[B, 1, S, T + S]`, boolean, `True` = may attend) is only needed when several
         blocks share one forward (training); a single block sees all of its context and itself.
         """
-        if isinstance(context_kv, DSparkCache):
-            context_kv = list(zip(context_kv.keys, context_kv.values))
         x = block_embeds.to(self.dtype)
         for layer, (keys, values) in zip(self.layers, context_kv):
             x = layer(x, positions, keys, values, attention_mask)

@@ -123,6 +123,8 @@ class SubsetRows:
     def __call__(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and weight.requires_grad:
             return weight[ids.to(weight.device)]
+        if torch.compiler.is_compiling():  # a traced graph gathers the rows itself (no Python-side cache)
+            return weight.detach()[ids.to(weight.device)]
         key = self._fingerprint(weight) + self._fingerprint(ids)
         if key != self._key:
             self._rows = weight.detach()[ids.to(weight.device)].contiguous()

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from .._paths import cache_dir
+from .._transformers import model_name
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -251,7 +252,7 @@ def profile_sps(
             cache.crop(-count)  # back to the shared context (positive crop counts are refused in 5.24)
     raw = {c: statistics.median(ts) for c, ts in timings.items()}
     meta = {
-        "model": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        "model": model_name(target),
         "device": str(device),
         "dtype": str(target.dtype),
         "context_length": context_length,
@@ -269,7 +270,7 @@ def profile_sps(
 
 
 def _cache_path(target, context_length: int) -> Path:
-    name = (getattr(target.config, "_name_or_path", "") or type(target).__name__).strip("/").replace("/", "--")
+    name = model_name(target).strip("/").replace("/", "--")
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0

@@ -29,14 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
-from packaging import version
 
-from ..model.configuration import hidden_state_indices
+from .._transformers import hidden_states_request, model_name, selected_hidden_states
 from .data import TokenDataset
 
 # transformers >= 5.23 returns only the requested hidden states (the others as None), which saves memory.
-_HIDDEN_STATES_BY_INDEX = version.parse(transformers.__version__) >= version.parse("5.23.0")
 _CACHE_FORMAT = 1
 
 
@@ -66,14 +63,13 @@ def target_features(
 
     Layer `l` is `hidden_states[l + 1]` (entry 0 is the embedding output). The LM head is not applied here.
     """
-    wanted = hidden_state_indices(layer_ids)
     out = _decoder(target)(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        output_hidden_states=wanted if _HIDDEN_STATES_BY_INDEX else True,
+        output_hidden_states=hidden_states_request(layer_ids),
         use_cache=False,
     )
-    context = torch.cat([out.hidden_states[i] for i in wanted], dim=-1)
+    context = selected_hidden_states(out.hidden_states, layer_ids)
     return TargetFeatures(context=context, final=out.last_hidden_state)
 
 
@@ -177,7 +173,7 @@ class FeatureCache:
     @staticmethod
     def key(dataset: TokenDataset, target, layer_ids: list[int]) -> str:
         """The sub-folder name identifying (data, target, layers, dtype)."""
-        name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+        name = model_name(target)
         raw = f"{dataset.fingerprint()}|{name}|{list(layer_ids)}|{target.dtype}|{_CACHE_FORMAT}"
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -234,7 +230,7 @@ class FeatureCache:
             "num_tokens": dataset.num_tokens,
             "shard_size": shard_size,
             "layer_ids": list(layer_ids),
-            "target": getattr(target.config, "_name_or_path", None),
+            "target": getattr(target.config, "name_or_path", None) or None,
             "dtype": str(target.dtype),
             "data_fingerprint": dataset.fingerprint(),
         }

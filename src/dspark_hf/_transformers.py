@@ -1,0 +1,125 @@
+"""Every use of transformers' private or version-dependent API, in one place (`tests/test_transformers_api.py`
+checks each against the installed release).
+
+The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives in
+`dspark_hf.decoding.generation` with its signature guard; everything else is here:
+
+* which hidden states to ask for, and the `+1` offset of `hidden_states` (index 0 is the embeddings), with the
+  version gate for selecting them by index;
+* a generation config's end-of-sequence ids (`_eos_token_tensor`, filled in by `generate()`);
+* the name of the cache keyword of a model's `forward` (`cache` in newer releases, `past_key_values` before),
+  cached per model class;
+* a `DynamicCache` built around existing tensors without copying them (its layers' `keys`/`values`);
+* dropping a model's quantizer after dequantising it (`hf_quantizer`);
+* a config's provenance (`name_or_path`, `_commit_hash`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import transformers
+from packaging import version
+
+#: Selecting hidden states by index (unselected ones come back as `None`) saves memory; older releases only
+#: accept a bool.
+HIDDEN_STATES_BY_INDEX = version.parse(transformers.__version__) >= version.parse("5.23.0")
+
+
+def hidden_state_indices(layer_ids: Sequence[int]) -> list[int]:
+    """Positions in transformers' `output_hidden_states` tuple of the target layers `layer_ids`.
+
+    Entry 0 of that tuple is the embedding output and entry `l + 1` the output of decoder layer `l`, so a layer
+    id maps to `l + 1` and the embedding output (`-1`, as in DeepSpec) to 0. Every driver (generation, engine,
+    training features) reads the target's hidden states through this one function.
+    """
+    return [int(i) + 1 for i in layer_ids]
+
+
+def hidden_states_request(layer_ids: Sequence[int]) -> list[int] | bool:
+    """The `output_hidden_states` value that returns the outputs of the target layers `layer_ids`."""
+    return hidden_state_indices(layer_ids) if HIDDEN_STATES_BY_INDEX else True
+
+
+def selected_hidden_states(hidden_states: Sequence[Any], layer_ids: Sequence[int]):
+    """The outputs of decoder layers `layer_ids`, concatenated on the last dimension: `[B, T, m·d]`.
+
+    `hidden_states[0]` is the embedding output, so layer `i`'s output is `hidden_states[i + 1]`.
+    """
+    import torch
+
+    return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
+
+
+def eos_token_ids(generation_config) -> set[int]:
+    """End-of-sequence ids of a `GenerationConfig` (public `eos_token_id`, else the tensor `generate()` fills in).
+
+    Read from the public field first so that no device tensor has to be read back.
+    """
+    eos = generation_config.eos_token_id
+    if eos is None:
+        tensor = getattr(generation_config, "_eos_token_tensor", None)
+        return set(tensor.reshape(-1).tolist()) if tensor is not None else set()
+    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def forward_accepts(model, name: str) -> bool:
+    """Whether `model.forward` takes a keyword `name` (signature read once per model class)."""
+    return name in _forward_parameters(type(model))
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` (the old name warns in 5.24)."""
+    return "cache" if forward_accepts(model, "cache") else "past_key_values"
+
+
+def filled_cache(data):
+    """A `DynamicCache` holding `data` (one `(keys, values)` per layer) without copying it.
+
+    `DynamicCache(ddp_cache_data=...)` would concatenate every tensor onto an empty one (a full copy of the
+    batch's KV each round); handing the tensors to the layers directly avoids that. Falls back to the
+    copying constructor if a transformers release stores layer tensors differently.
+    """
+    from transformers import DynamicCache
+
+    if not data:
+        return DynamicCache()
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in data])
+    for layer, (k, v) in zip(cache.layers, data):
+        layer.keys, layer.values = k, v
+    if cache.get_seq_length() != data[0][0].shape[-2]:
+        return DynamicCache(ddp_cache_data=data)
+    return cache
+
+
+def cache_layer_kv(cache, layer: int):
+    """`(keys, values)` of one layer of a `DynamicCache` (after a forward appended to it)."""
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+def drop_quantizer(model) -> None:
+    """Forget a model's quantizer once its weights are dequantised (so `save_pretrained`/`.to()` treat it as
+    an ordinary model)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def model_name(model_or_config) -> str:
+    """The model's name or path (`config.name_or_path`, public), else its class name."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "name_or_path", "") or type(model_or_config).__name__
+
+
+def commit_hash(config) -> str | None:
+    """The Hub revision a config was loaded from, when transformers recorded it."""
+    return getattr(config, "_commit_hash", None)

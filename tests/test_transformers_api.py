@@ -1,0 +1,63 @@
+"""The contract of `dspark_hf/_transformers.py` (every private or version-dependent transformers API we use)
+against the installed release. A failure here names the accessor to update, before anything downstream
+breaks in a less obvious way."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+
+from dspark_hf import _transformers as api
+
+from helpers import make_target
+
+
+def test_hidden_states_selection_and_the_plus_one_offset():
+    target = make_target("llama", num_layers=4)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    layers = [0, 2, 3]
+    with torch.no_grad():
+        full = target(ids, output_hidden_states=True).hidden_states
+        picked = target(ids, output_hidden_states=api.hidden_states_request(layers)).hidden_states
+    assert len(full) == target.config.num_hidden_layers + 1  # entry 0 is the embeddings: layer i is i + 1
+    expected = torch.cat([full[i + 1] for i in layers], dim=-1)
+    torch.testing.assert_close(api.selected_hidden_states(picked, layers), expected)
+
+
+def test_eos_token_ids():
+    assert api.eos_token_ids(GenerationConfig(eos_token_id=3)) == {3}
+    assert api.eos_token_ids(GenerationConfig(eos_token_id=[3, 5])) == {3, 5}
+    config = GenerationConfig()
+    assert api.eos_token_ids(config) == set()
+    config._eos_token_tensor = torch.tensor([7, 9])  # what generate() fills in
+    assert api.eos_token_ids(config) == {7, 9}
+
+
+def test_cache_keyword_and_logits_to_keep_are_forward_parameters():
+    target = make_target("llama", num_layers=1)
+    assert api.cache_kwarg(target) in ("cache", "past_key_values")
+    assert api.forward_accepts(target, api.cache_kwarg(target))
+    assert api.forward_accepts(target, "logits_to_keep")
+    assert not api.forward_accepts(target, "no_such_argument")
+
+
+def test_filled_cache_holds_the_tensors_without_copying():
+    keys = [torch.randn(2, 2, 5, 8) for _ in range(3)]
+    values = [torch.randn(2, 2, 5, 8) for _ in range(3)]
+    cache = api.filled_cache(list(zip(keys, values)))
+    assert cache.get_seq_length() == 5
+    for i in range(3):
+        k, v = api.cache_layer_kv(cache, i)
+        assert k.data_ptr() == keys[i].data_ptr() and v.data_ptr() == values[i].data_ptr()
+
+
+def test_config_provenance_and_quantizer():
+    config = PretrainedConfig()
+    config.name_or_path = "org/model"  # the public property
+    assert api.model_name(config) == "org/model"
+    assert api.commit_hash(config) is None  # set by from_pretrained from the Hub; None for a local config
+    target = make_target("llama", num_layers=1)
+    target.hf_quantizer = object()  # what a quantized (e.g. GGUF) load leaves on the model
+    target.config.quantization_config = {"quant_method": "gguf"}
+    api.drop_quantizer(target)
+    assert target.hf_quantizer is None and not hasattr(target.config, "quantization_config")
