@@ -116,7 +116,7 @@ def _set_number(page, elem_id: str, value) -> None:
 def _send(page, prompt: str) -> dict:
     page.locator("#dspark-input textarea").fill(prompt)
     page.locator("#dspark-send").click()
-    page.wait_for_selector('.dspark-stats[data-phase="done"]', timeout=240_000)
+    page.wait_for_selector('.dspark-stats[data-phase="done"]', timeout=600_000)
     svg = page.locator("#dspark-chart svg.dspark-chart")
     verified = svg.get_attribute("data-verified")
     return {

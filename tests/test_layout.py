@@ -35,6 +35,7 @@ STAGE = {
     "train": 4,
     "evaluation": 4,
     "demo": 5,
+    "serve": 5,  # the HTTP server: an app on the engine, like the demo
     "": 6,  # dspark_hf/__init__.py: the public API imports every stage below it
     "commands": 7,  # `dspark ...` subcommands may use the public API
     "cli": 8,  # the entry point, on top of its subcommands

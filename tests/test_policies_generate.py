@@ -67,7 +67,7 @@ def test_sps_profile_measured_cached_and_reused(tmp_path, monkeypatch, pair):
     mid = profile.time(10)
     assert min(profile.seconds[4], profile.seconds[16]) <= mid <= max(profile.seconds[4], profile.seconds[16])
     profile.save(tmp_path / "p.json")
-    assert SPSProfile.load(tmp_path / "p.json") == profile
+    assert SPSProfile.load(tmp_path / "p.json").seconds == profile.seconds
 
     # generate() with a hardware-aware policy and no profile measures one, caches it, and reuses it
     out = target.generate(
@@ -76,9 +76,15 @@ def test_sps_profile_measured_cached_and_reused(tmp_path, monkeypatch, pair):
     assert torch.equal(out, refs[0])
     cached = list((tmp_path / "sps").glob("*.json"))
     assert len(cached) == 1
+    # generate() compares the profile with its live round times; a tiny model's fixed overhead can flag it as
+    # inconsistent, and then the next use re-measures it once (tests/test_sps.py covers that rule)
+    first = get_sps_profile(target)
     stamp = cached[0].stat().st_mtime_ns
     again = get_sps_profile(target)
-    assert cached[0].stat().st_mtime_ns == stamp and again == SPSProfile.load(cached[0])
+    # reused, not re-measured: the file is untouched and holds what get_sps_profile returned
+    assert (
+        cached[0].stat().st_mtime_ns == stamp and again.seconds == first.seconds == SPSProfile.load(cached[0]).seconds
+    )
 
 
 def test_sps_profile_validation():

@@ -79,9 +79,13 @@ def test_shipped_drafts_load_by_name_and_stay_lossless(smollm, name):
     )
     kwargs = dict(max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     plain = target.generate(**inputs, **kwargs)
-    spec = target.generate(**inputs, assistant_model=draft, **kwargs)
+    spec = target.generate(**inputs, assistant_model=draft, **kwargs)  # the default policy
     assert torch.equal(plain, spec)
-    assert draft.last_generation_stats.tau > 1.2  # trained: above the untrained draft's τ ≈ 1.0
+    # trained: above the untrained draft's τ ≈ 1.0 when the whole block is verified (the default policy may
+    # rightly decline to draft at all on a machine where drafting does not pay, so it is not the measure here)
+    spec = target.generate(**inputs, assistant_model=draft, dspark_policy="fixed", **kwargs)
+    assert torch.equal(plain, spec)
+    assert draft.last_generation_stats.tau > 1.2
 
 
 def test_unknown_shipped_draft_name_is_refused():
