@@ -119,20 +119,25 @@ def test_uniform_policy_skips_drafting_under_load_and_stays_exact(setups, monkey
     import dspark_hf.decoding.engine as engine_module
 
     target, draft, work, refs = setups["qwen2"]
-    calls = []
+    calls, at_draft = [], []
     real_draft_block = engine_module.draft_block
-    monkeypatch.setattr(
-        engine_module,
-        "draft_block",
-        lambda d, stores, anchors: calls.append(len(anchors)) or real_draft_block(d, stores, anchors),
-    )
+
+    def draft_block(d, stores, anchors):  # when the draft drafts, its context is exactly the target's
+        rows = len(anchors)
+        at_draft.append((stores.lengths[:rows], engine._kv.lengths[:rows]))
+        assert at_draft[-1][0] == at_draft[-1][1], at_draft[-1]
+        calls.append(rows)
+        return real_draft_block(d, stores, anchors)
+
+    monkeypatch.setattr(engine_module, "draft_block", draft_block)
     policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 1.0, 8: 1.0, 9: 50.0, 512: 60.0}), plain_samples=0)
     engine = DSparkEngine(target, draft, policy=policy, max_batch_size=6)
     real_step, in_step = engine.step, []
 
-    def step():  # after every round the draft's context covers exactly what the target has committed
+    def step():  # after every round, the draft's context plus the features it has not ingested yet (rounds
+        # that skip drafting never run the draft) cover exactly what the target has committed
         events = real_step()
-        in_step.append([(len(r.dkv), len(r.kv)) for r in engine._active])
+        in_step.append([(len(r.dkv) + r.pending_tokens, len(r.kv)) for r in engine._active])
         assert all(d == t for d, t in in_step[-1]), in_step[-1]
         return events
 

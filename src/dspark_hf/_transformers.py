@@ -9,7 +9,8 @@ The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives 
 * a generation config's end-of-sequence ids (`_eos_token_tensor`, filled in by `generate()`);
 * the name of the cache keyword of a model's `forward` (`cache` in newer releases, `past_key_values` before),
   cached per model class;
-* a `DynamicCache` built around existing tensors without copying them (its layers' `keys`/`values`);
+* a `DynamicCache` built around existing tensors without copying them (its layers' `keys`/`values`), and a
+  cache whose layers write into the engine's preallocated slots in place (`DynamicLayer.update`'s contract);
 * dropping a model's quantizer after dequantising it (`hf_quantizer`);
 * a config's provenance (`name_or_path`, `_commit_hash`).
 """
@@ -98,6 +99,53 @@ def filled_cache(data):
     if cache.get_seq_length() != data[0][0].shape[-2]:
         return DynamicCache(ddp_cache_data=data)
     return cache
+
+
+def slot_cache(buffers, index, kv_len: int):
+    """A cache that writes a forward's new keys/values into preallocated buffers, each row at its own positions.
+
+    Layer `i` receives the forward's keys/values `[R, kv_heads, n, head_dim]`, scatters them into `buffers[i]`
+    (whole-capacity views `[R, kv_heads, C, head_dim]` of the engine's slots) at the columns `index` (`[R, n]`,
+    row `r`'s new tokens at `length_r + j`), and attends over the views `[:, :, :kv_len]`. The caller's mask
+    decides what each query sees, so columns past a row's own tokens (another row's longer past, stale
+    rejected drafts) are never read. Built on transformers' `Cache(layers=...)` with `DynamicLayer` as base
+    (its `update` contract: return the keys/values to attend over).
+    """
+    from transformers.cache_utils import Cache
+
+    return Cache(layers=[_SlotLayer(k, v, index, kv_len) for k, v in buffers])
+
+
+@functools.cache
+def _slot_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class SlotLayer(DynamicLayer):
+        def __init__(self, keys, values, index, kv_len):
+            super().__init__()
+            self.buf_keys, self.buf_values, self.kv_len = keys, values, kv_len
+            shape = (keys.shape[0], keys.shape[1], index.shape[1], keys.shape[3])
+            self.scatter_index = index[:, None, :, None].expand(shape)
+            self.keys, self.values = keys[:, :, :kv_len], values[:, :, :kv_len]
+            self.is_initialized = True
+            self.device = keys.device
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.buf_keys.scatter_(2, self.scatter_index, key_states.to(self.buf_keys.dtype))
+            self.buf_values.scatter_(2, self.scatter_index, value_states.to(self.buf_values.dtype))
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.kv_len - self.scatter_index.shape[2]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.kv_len, 0
+
+    return SlotLayer
+
+
+def _SlotLayer(keys, values, index, kv_len):  # noqa: N802 - builds the lazily defined layer class
+    return _slot_layer_class()(keys, values, index, kv_len)
 
 
 def cache_layer_kv(cache, layer: int):

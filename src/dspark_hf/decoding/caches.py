@@ -1,9 +1,12 @@
 """The one store for committed keys/values, used by the draft (in `generate()` and the engine) and the engine's target.
 
-A [`KVStore`] holds one sequence's keys/values, one `[kv_heads, T, head_dim]` pair per layer, in buffers that
+A [`KVStore`] holds one sequence's keys/values (the draft's context in `generate()`), one `[kv_heads, T, head_dim]` pair per layer, in buffers that
 are preallocated, grow geometrically (doubling, capped at the reservation) and are written in place: a round
 copies only its new tokens, never the history. The draft's store holds only *committed* context (the block's
 own keys/values are never stored), so it needs no rollback when drafted tokens are rejected.
+
+A [`SlotKV`] holds the engine's rows (target and draft alike) in shared per-layer buffers, one slot per request,
+so that a batched forward reads and writes them in place.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ class KVStore:
     def nbytes(self) -> int:
         """`int`: bytes allocated (capacity, not just the used length)."""
         return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._keys)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views `[kv_heads, T, head_dim]` of layer `i`'s keys and values."""
@@ -61,3 +68,175 @@ class KVStore:
 
 def _zip_old(old: list[torch.Tensor], kvs: list) -> list:
     return list(zip(old if old else [None] * len(kvs), kvs))
+
+
+class SlotKV:
+    """Keys and values of many sequences in shared per-layer buffers `[slots, kv_heads, capacity, head_dim]`.
+
+    The engine keeps every active request in one *slot* (a batch row), so a round's target forward reads the
+    batch's past as views `[:rows, :, :past]` of these buffers and writes its new keys/values into them in
+    place, at each row's own positions ([`slot_cache`](dspark_hf._transformers.slot_cache) scatters them): a
+    round launches O(layers) copy kernels, not O(layers × rows), and never copies the history. Rolling back
+    rejected drafts is only not advancing a row's length: their keys sit beyond it, masked out, until the next
+    round overwrites them.
+
+    Slots `0..n-1` are the live rows, in batch order. A freed slot is filled by moving the last row into it
+    ([`compact`], once per departure, O(layers) kernels); new rows are appended at the end.
+
+    Args:
+        max_slots (`int`): most rows at once (the engine's `max_batch_size`).
+    """
+
+    def __init__(self, max_slots: int) -> None:
+        self.max_slots = max_slots
+        self.lengths: list[int] = []  # committed tokens per slot
+        self.owners: list[object] = []  # whatever the caller keys a slot by (a request), `None` once freed
+        self.limit: int | None = None  # most tokens a slot may need (the capacity grows up to it, not past)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        """`int`: tokens each slot can hold before the buffers grow."""
+        return self._keys[0].shape[2] if self._keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        """`int`: bytes allocated (all slots and the whole capacity)."""
+        return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._keys)
+
+    def add(self, owner) -> int:
+        """A new empty row at the end; returns its slot."""
+        if len(self.lengths) >= self.max_slots:
+            raise RuntimeError(f"all {self.max_slots} slots are in use.")
+        self.lengths.append(0)
+        self.owners.append(owner)
+        return len(self.lengths) - 1
+
+    def free(self, slot: int) -> None:
+        """Mark `slot` free; its row leaves at the next [`compact`]."""
+        self.owners[slot] = None
+
+    def compact(self) -> list[tuple[object, int]]:
+        """Drop freed rows, moving the last live rows into the holes (only those rows are copied).
+
+        Returns:
+            `list[tuple[object, int]]`: every owner that moved, with its new slot.
+        """
+        moved: list[tuple[object, int]] = []
+        src, dst = [], []
+        hole = 0
+        while True:
+            while self.owners and self.owners[-1] is None:  # freed rows at the end just leave
+                self.owners.pop(), self.lengths.pop()
+            while hole < len(self.owners) and self.owners[hole] is not None:
+                hole += 1
+            if hole >= len(self.owners):
+                break
+            src.append(len(self.owners) - 1), dst.append(hole)  # the last row is live and after the hole
+            self.owners[hole], self.lengths[hole] = self.owners.pop(), self.lengths.pop()
+            moved.append((self.owners[hole], hole))
+        if not self.owners:  # idle: give the memory back
+            self._keys, self._values = [], []
+        rows = self._keys[0].shape[0] if self._keys else 0
+        pairs = [(a, b) for a, b in zip(src, dst) if a < rows]  # a slot never written (still empty) moves no data
+        if pairs:
+            s = torch.tensor([a for a, _ in pairs], device=self._keys[0].device)
+            d = torch.tensor([b for _, b in pairs], device=self._keys[0].device)
+            for buf in self._keys + self._values:
+                buf.index_copy_(0, d, buf.index_select(0, s))
+        return moved
+
+    def reserve(self, needed: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Make room for `needed` tokens in every live slot, growing slots and capacity geometrically (live
+        rows are kept). The first call allocates, shaping the buffers after `like` (one `(keys, values)` per
+        layer, `[..., kv_heads, n, head_dim]`)."""
+        rows = self._keys[0].shape[0] if self._keys else 0
+        if self._keys and needed <= self.capacity and rows >= len(self.lengths):
+            return
+        if not self._keys and like is None:
+            raise RuntimeError("the first reserve() of a SlotKV needs `like` (the layers' key/value shapes).")
+        like = like or list(zip(self._keys, self._values))
+        slots = max(len(self.lengths), rows)  # exactly the rows needed: memory follows the batch's peak
+        capacity = max(needed, self.capacity)
+        if capacity > self.capacity:  # geometric growth, within the limit
+            capacity = max(needed, min(2 * self.capacity, self.limit or 2 * self.capacity), 16 if not self.limit else 0)
+        used = max(self.lengths[:rows], default=0)
+
+        def grown(old: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
+            buf = ref.new_zeros(slots, ref.shape[-3], capacity, ref.shape[-1])
+            if old is not None and used:
+                buf[:rows, :, :used] = old[:, :, :used]
+            return buf
+
+        olds = list(zip(self._keys, self._values)) or [(None, None)] * len(like)
+        pairs = [(grown(ok, k), grown(ov, v)) for (ok, ov), (k, v) in zip(olds, like)]
+        self._keys, self._values = [k for k, _ in pairs], [v for _, v in pairs]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._keys)
+
+    @property
+    def allocated_rows(self) -> int:
+        return self._keys[0].shape[0] if self._keys else 0
+
+    def shrink(self, capacity: int) -> None:
+        """Reallocate to exactly the live rows and `capacity` tokens (at least the longest row): returns the
+        memory of departed rows and of a departed long request. Copies the live rows once."""
+        if not self._keys:
+            return
+        rows, used = len(self.lengths), max(self.lengths, default=0)
+        capacity = max(capacity, used, 1)
+        if rows == self.allocated_rows and capacity >= self.capacity:
+            return
+        if rows == 0:
+            self._keys, self._values = [], []
+            return
+        self._keys = [k[:rows, :, :capacity].clone() for k in self._keys]
+        self._values = [v[:rows, :, :capacity].clone() for v in self._values]
+
+    def views(self, start: int, stop: int, past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, views `[stop - start, kv_heads, past, head_dim]` of slots `start..stop-1`."""
+        return [(k[start:stop, :, :past], v[start:stop, :, :past]) for k, v in zip(self._keys, self._values)]
+
+    def buffers(self, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the whole-capacity views of slots `start..stop-1` (what [`slot_cache`] writes into)."""
+        return [(k[start:stop], v[start:stop]) for k, v in zip(self._keys, self._values)]
+
+    def layer(self, slot: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i`'s committed keys and values of one slot, `[kv_heads, T, head_dim]` views."""
+        n = self.lengths[slot]
+        return self._keys[i][slot, :, :n], self._values[i][slot, :, :n]
+
+    def write_tokens(self, slots: torch.Tensor, positions: torch.Tensor, kvs) -> None:
+        """Write tokens one by one at `(slots[t], positions[t])`: `kvs` holds per layer `(keys, values)`
+        `[kv_heads, N, head_dim]` for the `N` tokens (one index-put per layer and tensor). Lengths are the
+        caller's to advance."""
+        for buf_k, buf_v, (k, v) in zip(self._keys, self._values, kvs):
+            buf_k[slots, :, positions] = k.transpose(0, 1).to(buf_k.dtype)
+            buf_v[slots, :, positions] = v.transpose(0, 1).to(buf_v.dtype)
+
+
+class SlotRow:
+    """One request's row of a [`SlotKV`]: its length and committed keys/values (the `KVStore` reading API)."""
+
+    def __init__(self, store: SlotKV, slot: int) -> None:
+        self.store, self.slot = store, slot
+
+    def __len__(self) -> int:
+        return self.store.lengths[self.slot]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.layer(self.slot, i)
+
+    @property
+    def num_layers(self) -> int:
+        return self.store.num_layers

@@ -41,7 +41,7 @@ from transformers import (
 )
 
 from ..scheduling.policies import survival_probabilities
-from .caches import KVStore
+from .caches import KVStore, SlotKV
 from .stats import RoundStats
 
 # Processors that keep at least one finite logit of a row that has one: with only these, the draft
@@ -205,19 +205,37 @@ class HostRound:
 
 # ---------------------------------------------------------------------- 1. context
 @torch.no_grad()
-def ingest(draft, stores: list[KVStore], features: list[torch.Tensor]) -> None:
+def ingest(draft, stores, features: list[torch.Tensor], slots: list[int] | None = None) -> None:
     """Append newly committed target features (`[c_r, m·d]` per row) to each row's draft context.
 
-    Projection and K/V are per token (no attention), so all rows are packed into one sequence; each store
-    receives its slice, written in place.
+    `stores` is one [`KVStore`] per row, or (the engine) one [`SlotKV`] with the rows' `slots`. Projection and
+    K/V are per token (no attention), so all rows are packed into one sequence; each row's keys/values are
+    written in place at its own positions.
     """
-    rows = [(s, f) for s, f in zip(stores, features) if f.shape[0] > 0]
+    if slots is None:
+        rows = [(s, f) for s, f in zip(stores, features) if f.shape[0] > 0]
+    else:
+        rows = [(s, f) for s, f in zip(slots, features) if f.shape[0] > 0]
     if not rows:
         return
     device = draft.device
     context = draft.project_context(torch.cat([f for _, f in rows]).to(device)[None])
-    positions = torch.cat([torch.arange(len(s), len(s) + f.shape[0], device=device) for s, f in rows])[None]
-    draft.extend_context([(s, f.shape[0]) for s, f in rows], context, positions)
+    if slots is None:
+        positions = torch.cat([torch.arange(len(s), len(s) + f.shape[0], device=device) for s, f in rows])[None]
+        draft.extend_context([(s, f.shape[0]) for s, f in rows], context, positions)
+        return
+    counts = [f.shape[0] for _, f in rows]
+    starts = [stores.lengths[s] for s, _ in rows]
+    index = [
+        [s for (s, _), n in zip(rows, counts) for _ in range(n)],
+        [p for t, n in zip(starts, counts) for p in range(t, t + n)],
+    ]
+    slot_ids, positions = torch.tensor(index, device=device).unbind(0)  # one copy in
+    kvs = [(k[0], v[0]) for k, v in draft.context_kv(context, positions[None])]  # per layer [kv_heads, N, hd]
+    stores.reserve(max(t + n for t, n in zip(starts, counts)), like=kvs)
+    stores.write_tokens(slot_ids, positions, kvs)
+    for (s, _), n in zip(rows, counts):
+        stores.lengths[s] += n
 
 
 # ---------------------------------------------------------------------- 2. backbone
@@ -238,10 +256,11 @@ def _stacked_context(stores: list[KVStore], num_layers: int, past: int) -> list[
 
 
 @torch.no_grad()
-def draft_block(draft, stores: list[KVStore], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_block(draft, stores, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One backbone forward over `[anchor_r, mask × (γ-1)]` for every row.
 
-    Row `r`'s anchor sits at position `len(stores[r])` (the draft context holds every committed token).
+    Row `r`'s anchor sits at position `len(stores[r])` (the draft context holds every committed token);
+    `stores` is one [`KVStore`] per row, or a [`SlotKV`] whose slots `0..R-1` are the rows (read as views).
     Contexts of different lengths are right-padded to the longest and masked out; the mask and positions are
     built on the device.
 
@@ -254,10 +273,15 @@ def draft_block(draft, stores: list[KVStore], anchors: torch.Tensor) -> tuple[to
     """
     gamma = draft.config.block_size
     device = draft.device
-    rows = len(stores)
-    lengths = [len(s) for s in stores]
-    past = max(lengths)
-    context = _stacked_context(stores, len(draft.layers), past)
+    rows = len(anchors)
+    if isinstance(stores, SlotKV):  # the engine: slots 0..R-1 are the rows; their views, no copy
+        lengths = stores.lengths[:rows]
+        past = max(lengths)
+        context = stores.views(0, rows, past)
+    else:
+        lengths = [len(s) for s in stores]
+        past = max(lengths)
+        context = _stacked_context(stores, len(draft.layers), past)
     block = torch.full((rows, gamma), draft.config.mask_token_id, dtype=torch.long, device=device)
     block[:, 0] = anchors.to(device)
     offsets = torch.arange(gamma, device=device)

@@ -11,9 +11,14 @@ A round ([`DSparkEngine.step`]) does, for all active requests at once:
    SPS profile) and picks each request's verification length `ℓ_r`;
 4. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
    `dspark_hf.decoding.engine_batch`), then per-request acceptance (greedy, or exact rejection sampling);
-5. **commit**: each request keeps the keys/values and target features of its committed tokens only (that is
-   the rollback), its draft context grows by the same tokens, and accepted tokens are emitted. Finished
-   requests free their caches, which lets queued ones in.
+5. **commit**: each request's length in its KV slot advances by its committed tokens (rejected drafts stay
+   beyond it, masked, until overwritten: that is the rollback), their target features wait for the draft's
+   next drafting round (a round that does not draft never runs the draft), and accepted tokens are emitted
+   with incrementally decoded text. Finished requests free their reservations, which lets queued ones in.
+
+Every active request owns one slot of two preallocated stores (`dspark_hf.decoding.caches.SlotKV`, target
+and draft): the padded verification forward reads the batch's past as views and writes new keys/values in
+place at each row's own positions, with masks and positions built on the device from the rows' lengths.
 
 Exactness does not depend on batching: every request sees exactly its own context (masks and position
 ids), so greedy output equals plain `generate()` on that prompt alone and sampling follows the target's
@@ -31,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -42,7 +48,7 @@ import torch
 
 from ..model.cpu_packing import cpu_packing_enabled, packed_linears
 from ..scheduling.policies import ScheduleContext, resolve_policy
-from .caches import KVStore
+from .caches import SlotKV, SlotRow
 from .drafting import (
     RowsSampler,
     draft_block,
@@ -60,9 +66,12 @@ from .engine_batch import (
     accept_greedy_rows,
     accept_row,
     build_processors,
+    choose_layout,
+    commit_rows,
     context_limit,
     linear_cost_in_keys,
     ragged_target_forward,
+    slot_target_forward,
 )
 from .metrics import EngineMetrics
 from .stats import GenerationStats
@@ -182,10 +191,18 @@ class _Request:
     times: dict[str, float]
     stats: GenerationStats
     tokens: list[int] = field(default_factory=list)
-    kv: KVStore | None = None
-    dkv: KVStore | None = None
-    text_len: int = 0
+    kv: SlotRow | None = None  # the request's slot in the engine's target KV (and `dkv` in the draft's)
+    dkv: SlotRow | None = None
+    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft's context
+    text_done: int = 0  # tokens whose text has been streamed (incremental detokenisation)
+    text_prefix: int = 0  # where the decoded window starts (the previous call's `text_done`)
+    text_len: int = 0  # characters streamed
+    text: str | None = None  # the whole output's text, once finished
     finish_reason: str | None = None
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(f.shape[0] for f in self.pending)
 
 
 class DSparkEngine:
@@ -262,6 +279,9 @@ class DSparkEngine:
         self._active: list[_Request] = []
         self._failed: list[RequestOutput] = []
         self._reserved = 0
+        # every active request owns one slot (batch row) of these preallocated stores, written in place
+        self._kv = SlotKV(max_batch_size)
+        self._dkv = SlotKV(max_batch_size) if self.speculate else None
         self._ids = itertools.count()
         self._buffered: list[StreamEvent] = []  # events of requests not owned by a running generate()/stream()
 
@@ -308,9 +328,7 @@ class DSparkEngine:
                 return True
         for req in self._active:
             if req.rid == request_id:
-                self._active.remove(req)
-                self._reserved -= req.reserve
-                req.kv = req.dkv = None
+                self._release(req)
                 return True
         pending = len(self._failed) + len(self._buffered)
         self._failed = [o for o in self._failed if o.request_id != request_id]
@@ -336,16 +354,18 @@ class DSparkEngine:
             self.metrics.requests_failed += 1
             events.append(StreamEvent(out.request_id, [], finished=True, output=out))
         self._failed = []
+        self._compact()
+        decoding = list(self._active)  # slots 0..R-1, in order
         admitted = self._admit()
-        decoding = [r for r in self._active if r not in admitted]
         with packed_linears(self.target, self.draft, enabled=self.cpu_packing):
             if decoding:
                 self._decode_round(decoding, events)
             if admitted:
                 self._prefill(admitted, events)
+        self._compact()  # finished requests' slots (and, when idle, the buffers) are given back now
         m = self.metrics
         m.busy_seconds += time.perf_counter() - start
-        kv_bytes = sum(r.kv.nbytes + (r.dkv.nbytes if r.dkv is not None else 0) for r in self._active)
+        kv_bytes = self._kv.nbytes + (self._dkv.nbytes if self._dkv is not None else 0)
         m.record_gauges(len(self._active), len(self._queue), sum(len(r.kv) for r in self._active), kv_bytes)
         return events
 
@@ -438,19 +458,37 @@ class DSparkEngine:
 
     def _admit(self) -> list[_Request]:
         admitted = []
-        while (
-            self._queue
-            and len(self._active) < self.max_batch_size
-            and self._reserved + self._queue[0].reserve <= self.max_tokens
-        ):
+        while self._queue and len(self._active) < self.max_batch_size and self._fits(self._queue[0]):
             req = self._queue.popleft()
-            req.kv = KVStore(req.reserve)
-            req.dkv = KVStore(req.reserve) if self.speculate else None
+            req.kv = SlotRow(self._kv, self._kv.add(req))
+            req.dkv = SlotRow(self._dkv, self._dkv.add(req)) if self.speculate else None
             req.times["admitted"] = time.perf_counter()
             self._reserved += req.reserve
             self._active.append(req)
             admitted.append(req)
         return admitted
+
+    def _row_tokens(self, req: _Request) -> int:
+        """Tokens a slot of `req` may need: its reservation and one round's scratch (anchor + γ drafts)."""
+        return req.reserve + self.gamma + 1
+
+    def _fits(self, req: _Request) -> bool:
+        """Whether admitting `req` keeps the reservations, and the slot buffers (every slot as long as the
+        longest request's), within `max_tokens`. A request alone is always admitted (it fits by itself)."""
+        if not self._active:
+            return True
+        if self._reserved + req.reserve > self.max_tokens:
+            return False
+        row = max(self._row_tokens(r) for r in [*self._active, req])
+        if (len(self._kv) + 1) * row > self.max_tokens:
+            return False
+        for store in (self._kv, self._dkv):  # buffers sized for departed requests: give that memory back first
+            if (
+                store is not None
+                and max(store.allocated_rows, len(store) + 1) * max(store.capacity, row) > self.max_tokens
+            ):
+                store.shrink(row)
+        return True
 
     # ------------------------------------------------------------------ rounds
     def _prefill(self, reqs: list[_Request], events: list[StreamEvent]) -> None:
@@ -460,13 +498,13 @@ class DSparkEngine:
             self.layer_ids, self.layout, self._linear_cost,
         )  # fmt: skip
         self.metrics.layout_counts[out.layout] += 1
+        commit_rows(self._kv, [r.kv.slot for r in reqs], out.new_kv, [len(r.prompt) for r in reqs])
         firsts = []
         for i, req in enumerate(reqs):
-            req.kv.append(out.new_kv[i])
             logits = req.sampler.process(req.prompt, out.logits[i])
             firsts.append(req.sampler.pick(logits[0]))
-        if self.speculate:
-            ingest(self.draft, [r.dkv for r in reqs], out.features)
+            if self.speculate:  # ingested by the draft when it next drafts (a round that does not, never pays)
+                req.pending.append(out.features[i])
         for req, token in zip(reqs, firsts):
             req.times["first_token"] = time.perf_counter()
             self._emit(req, [token], events)
@@ -483,13 +521,14 @@ class DSparkEngine:
         block = host = None
         context = self.schedule_context
         context.planned_length = None
-        t_head = t0
+        t_head, catch_up = t0, 0.0
         if self.speculate and max(budgets) > 0:
             # a policy may fix the length before drafting; 0 means this round is a plain decoding step
             context.planned_length = self.policy.plan_length(len(reqs), self.gamma, context)
         if self.speculate and max(budgets) > 0 and context.planned_length != 0:
+            catch_up = self._ingest_pending(reqs)
             anchor_ids = torch.tensor(anchors, device=self.draft.device)
-            hidden, base = draft_block(self.draft, [r.dkv for r in reqs], anchor_ids)
+            hidden, base = draft_block(self.draft, self._dkv, anchor_ids)
             t_head = time.perf_counter()
             histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
             sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
@@ -499,22 +538,33 @@ class DSparkEngine:
             lengths = verified_lengths(self.policy, context, host, budgets, [r.eos for r in reqs])
         t1 = time.perf_counter()
         rows = [[a] + d[:n] for a, d, n in zip(anchors, drafted, lengths)]
-        out = ragged_target_forward(
-            self.target, [r.kv for r in reqs], rows, [list(range(len(row))) for row in rows], self.layer_ids,
-            self.layout, self._linear_cost,
-        )  # fmt: skip
+        keep = [list(range(len(row))) for row in rows]
+        layout = self.layout
+        if layout == "auto":
+            layout = choose_layout(self._kv.lengths[: len(reqs)], list(map(len, rows)), self._linear_cost)
+        if layout == "padded":  # in place in the slots: no copy of any row's past
+            out = slot_target_forward(self.target, self._kv, rows, keep, self.layer_ids)
+        else:
+            out = ragged_target_forward(
+                self.target, [r.kv for r in reqs], rows, keep, self.layer_ids, "packed", self._linear_cost
+            )
         self.metrics.layout_counts[out.layout] += 1
         outcomes = self._accept(reqs, block, drafted, lengths, out.logits)
-        emitted, features = [], []
+        committed = [n + 1 for n, _ in outcomes]  # the anchor and the accepted drafts (that is the rollback)
+        if out.new_kv is None:
+            for req, c in zip(reqs, committed):
+                self._kv.lengths[req.kv.slot] += c
+        else:
+            commit_rows(self._kv, [r.kv.slot for r in reqs], out.new_kv, committed)
+        emitted = []
         for i, req in enumerate(reqs):
             n, token = outcomes[i]
-            req.kv.append([(k[:, : n + 1], v[:, : n + 1]) for k, v in out.new_kv[i]])  # keep committed only
             if self.speculate:
-                features.append(out.features[i][: n + 1])
+                req.pending.append(out.features[i][: n + 1])
             emitted.append(drafted[i][:n] + [token])
             self.metrics.record_request_round(lengths[i], n)
-        if self.speculate:
-            ingest(self.draft, [r.dkv for r in reqs], features)
+        if self.speculate:  # bound the features kept for a draft that has not drafted for a long while
+            self._ingest_pending([r for r in reqs if r.pending_tokens >= _PENDING_LIMIT])
         t2 = time.perf_counter()
         for i, req in enumerate(reqs):
             if self.speculate:  # a row without budget drafted nothing useful: recorded as an empty block
@@ -539,11 +589,53 @@ class DSparkEngine:
                 rows=len(reqs),
                 forward_tokens=computed,
                 rest_seconds=time.perf_counter() - t1,
-                draft_seconds=t1 - t0 if host is not None else None,
+                draft_seconds=t1 - t0 - catch_up if host is not None else None,
                 survival=torch.tensor(host.survival) if host is not None and host.confidence_logits else None,
                 verified=lengths,
                 accepted=[n for n, _ in outcomes],
             )
+
+    def _ingest_pending(self, reqs: list[_Request]) -> float:
+        """Bring the rows' draft contexts up to date with every token they have committed (one draft pass).
+
+        Returns the seconds of it that catch up on rounds that did not draft (the share of tokens older than
+        the last round): a drafting round's own cost, which the policy weighs, excludes them, or a policy that
+        paused drafting would see its first drafting round as dear and never resume.
+        """
+        reqs = [r for r in reqs if r.pending]
+        if not reqs:
+            return 0.0
+        start = time.perf_counter()
+        features = [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in reqs]
+        total = sum(f.shape[0] for f in features)
+        latest = sum(r.pending[-1].shape[0] for r in reqs)
+        ingest(self.draft, self._dkv, features, slots=[r.dkv.slot for r in reqs])
+        for req in reqs:
+            req.pending = []
+        return (time.perf_counter() - start) * (1 - latest / total)
+
+    def _release(self, req: _Request) -> None:
+        """Take `req` out of the batch: its reservation now, its slots at the next round's compaction."""
+        self._active.remove(req)
+        self._reserved -= req.reserve
+        self._kv.free(req.kv.slot)
+        if req.dkv is not None:
+            self._dkv.free(req.dkv.slot)
+        req.pending = []
+
+    def _compact(self) -> None:
+        """Close the holes finished requests left in the slot stores (moves only the rows that fill them) and
+        keep `_active` in slot order."""
+        for store, attr in ((self._kv, "kv"), (self._dkv, "dkv")):
+            if store is None:
+                continue
+            for req, slot in store.compact():
+                getattr(req, attr).slot = slot
+        self._active = list(self._kv.owners)
+        limit = max((self._row_tokens(r) for r in self._active), default=0)
+        for store in (self._kv, self._dkv):
+            if store is not None:
+                store.limit = limit  # the buffers' capacity never outgrows the longest active request
 
     def _accept(self, reqs, block, drafted, lengths, target_logits) -> list[tuple[int, int]]:
         """Each row's (accepted drafts, next token): greedy rows without processors all at once (one host
@@ -577,28 +669,49 @@ class DSparkEngine:
                 req.finish_reason = "length" if req.max_new == req.params.max_new_tokens else "context"
                 break
         self.metrics.tokens_generated += len(new)
-        text = None
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
-            text, req.text_len = full[req.text_len :], len(full)
+        text = self._new_text(req, final=req.finish_reason is not None) if self.tokenizer is not None else None
         if req.finish_reason is None:
             events.append(StreamEvent(req.rid, new, text))
             return
         req.times["finished"] = time.perf_counter()
-        self._active.remove(req)
-        self._reserved -= req.reserve
-        req.kv = req.dkv = None  # free the caches now: this is what lets queued requests in
+        self._release(req)  # frees the reservation now: this is what lets queued requests in
         self.metrics.requests_finished += 1
         output = RequestOutput(
             req.rid,
             req.prompt,
             req.tokens,
-            text=self.tokenizer.decode(req.tokens, skip_special_tokens=True) if self.tokenizer else None,
+            text=req.text,
             finish_reason=req.finish_reason,
             stats=req.stats,
             times=req.times,
         )
         events.append(StreamEvent(req.rid, new, text, finished=True, output=output))
+
+    def _new_text(self, req: _Request, final: bool) -> str:
+        """The text of the tokens not yet streamed, decoding only a short window, not the whole output.
+
+        The window starts at the tokens streamed by the previous call, so that merges across the boundary (a
+        byte-level token completing a character, a tokenizer's space rules) are seen; text that ends in an
+        incomplete character is held back. The last call decodes the whole output once and sends what the
+        stream still lacks, so the streamed pieces always add up to `RequestOutput.text`.
+        """
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        if final:
+            req.text = decode(req.tokens)
+            new, req.text_len = req.text[req.text_len :], len(req.text)
+            return new
+        before = decode(req.tokens[req.text_prefix : req.text_done])
+        after = decode(req.tokens[req.text_prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # nothing complete yet: held back until a later round (or the final flush)
+        new = after[len(before) :]
+        req.text_prefix, req.text_done = req.text_done, len(req.tokens)
+        req.text_len += len(new)
+        return new
+
+
+#: Features a row may hold back from its draft before they are ingested anyway (a draft not drafting for long).
+_PENDING_LIMIT = 256
 
 
 def _per_prompt(sampling_params, n: int) -> list:

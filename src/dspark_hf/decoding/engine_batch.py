@@ -48,8 +48,9 @@ from .._transformers import (
     forward_accepts,
     hidden_states_request,
     selected_hidden_states,
+    slot_cache,
 )
-from .caches import KVStore
+from .caches import KVStore, SlotKV
 from .verification import greedy_accept, speculative_accept
 
 LAYOUTS = ("padded", "packed", "auto")
@@ -154,7 +155,7 @@ def ragged_target_forward(
         cost = linear_cost if linear_cost is not None else linear_cost_in_keys(target)
         layout = choose_layout(lengths, counts, cost)
     filled = next((s for s in stores if len(s)), None)
-    num_layers = len(filled._keys) if filled is not None else 0
+    num_layers = filled.num_layers if filled is not None else 0
 
     def layer_kv(store: KVStore, i: int, kv: int) -> torch.Tensor:  # an empty store contributes nothing
         return store.layer(i)[kv] if len(store) else filled.layer(i)[kv][:, :0]
@@ -201,13 +202,16 @@ def ragged_target_forward(
     # Only the logits the caller needs go through the LM head (a prefill row needs just its last position).
     # `logits_to_keep` selects query positions shared by all batch rows.
     wanted = sorted({q0 + j for (_, q0, _), row_keep in zip(spans, keep) for j in row_keep})
+    # ids, positions and the kept logit columns go to the device in one copy, the mask in another
+    moved = torch.cat([ids.flatten(), pos.flatten(), torch.tensor(wanted, dtype=torch.long)]).to(device)
+    ids, pos = moved[: ids.numel()].view(ids.shape), moved[ids.numel() : 2 * ids.numel()].view(pos.shape)
     column = {q: q for q in range(width)}
     if forward_accepts(target, "logits_to_keep"):
-        kwargs["logits_to_keep"] = torch.tensor(wanted, device=device)
+        kwargs["logits_to_keep"] = moved[2 * ids.numel() :]
         column = {q: i for i, q in enumerate(wanted)}
     # additive float mask (works for eager and SDPA attention alike): a large negative value where masked
     float_mask = torch.zeros(mask.shape, dtype=target.dtype).masked_fill_(~mask, torch.finfo(target.dtype).min)
-    out = target(ids.to(device), attention_mask=float_mask.to(device), position_ids=pos.to(device), **kwargs)
+    out = target(ids, attention_mask=float_mask.to(device), position_ids=pos, **kwargs)
     logits = [out.logits[b, [column[q0 + j] for j in row_keep]] for (b, q0, _), row_keep in zip(spans, keep)]
     features = None
     if layer_ids:
@@ -218,6 +222,81 @@ def ragged_target_forward(
         for b, q0, q1 in spans
     ]
     return RaggedOutput(logits=logits, features=features, new_kv=new_kv, layout=layout)
+
+
+@torch.no_grad()
+def slot_target_forward(
+    target, store: SlotKV, new_tokens: list[list[int]], keep: list[list[int]], layer_ids: list[int] | None = None
+) -> RaggedOutput:
+    """The padded target forward over slots `0..R-1` of `store`, reading and writing the slots in place.
+
+    Row `r`'s new tokens go to positions `len_r + j` of its own slot: the forward scatters their keys/values
+    there and attends over the slots' views (`[:R, :, :max len + width]`) with a mask built on the device from
+    the rows' lengths (query `j` of row `r` sees columns `≤ len_r + j`). Nothing is copied per row; the caller
+    commits a row's first `n_r + 1` tokens by advancing `store.lengths[r]`, and the rest (rejected drafts,
+    padding) stays beyond the length, invisible, until a later round overwrites it.
+
+    Args:
+        store ([`SlotKV`]): the rows' committed keys/values (slot `r` is row `r`).
+        new_tokens (`list[list[int]]`): each row's new tokens (non-empty).
+        keep (`list[list[int]]`): for each row, the offsets (within its new tokens) whose logits are needed.
+        layer_ids (`list[int]`, *optional*): 0-based target layers whose outputs to return as features.
+
+    Returns:
+        [`RaggedOutput`] with `new_kv=None` (already in `store`).
+    """
+    device = target.device
+    rows, width = len(new_tokens), max(map(len, new_tokens))
+    lengths = store.lengths[:rows]
+    kv_len = max(lengths) + width
+    store.reserve(kv_len)
+    wanted = sorted({j for row_keep in keep for j in row_keep})
+    # the one host→device copy of the forward: ids, lengths and the kept logit columns in one tensor
+    packed = [t for row in new_tokens for t in row + [0] * (width - len(row))] + lengths + wanted
+    packed = torch.tensor(packed, device=device)
+    ids = packed[: rows * width].view(rows, width)
+    length = packed[rows * width : rows * width + rows]
+    pos = length[:, None] + torch.arange(width, device=device)  # [R, width]
+    visible = torch.arange(kv_len, device=device)[None, None, :] <= pos[:, :, None]
+    float_mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
+    float_mask = float_mask.masked_fill_(~visible, torch.finfo(target.dtype).min)[:, None]
+    kwargs = {cache_kwarg(target): slot_cache(store.buffers(0, rows), pos, kv_len), "use_cache": True}
+    if layer_ids:
+        kwargs["output_hidden_states"] = hidden_states_request(layer_ids)
+    column = {q: q for q in range(width)}
+    if forward_accepts(target, "logits_to_keep"):
+        kwargs["logits_to_keep"] = packed[rows * width + rows :]
+        column = {q: i for i, q in enumerate(wanted)}
+    out = target(ids, attention_mask=float_mask, position_ids=pos, **kwargs)
+    logits = [out.logits[r, [column[j] for j in row_keep]] for r, row_keep in enumerate(keep)]
+    features = None
+    if layer_ids:
+        feats = selected_hidden_states(out.hidden_states, layer_ids)
+        features = [feats[r, : len(row)] for r, row in enumerate(new_tokens)]
+    return RaggedOutput(logits=logits, features=features, new_kv=None, layout="padded")
+
+
+def commit_rows(store: SlotKV, slots: list[int], new_kv, counts: list[int]) -> None:
+    """Write the first `counts[i]` new keys/values of each row (a [`ragged_target_forward`]'s `new_kv`) into
+    `store` at `slots[i]`, after the slot's committed tokens, and advance the lengths: one index-put per layer
+    for all rows."""
+    rows = [(s, kv, n) for s, kv, n in zip(slots, new_kv, counts) if n > 0]
+    if not rows:
+        return
+    store.reserve(max(store.lengths[s] + n for s, _, n in rows), like=rows[0][1])
+    device = rows[0][1][0][0].device
+    index = [[s for s, _, n in rows for _ in range(n)], [store.lengths[s] + j for s, _, n in rows for j in range(n)]]
+    slot_ids, positions = torch.tensor(index, device=device).unbind(0)  # one copy in
+    layers = [
+        (
+            torch.cat([kv[i][0][:, :n] for _, kv, n in rows], dim=1),
+            torch.cat([kv[i][1][:, :n] for _, kv, n in rows], dim=1),
+        )
+        for i in range(len(rows[0][1]))
+    ]
+    store.write_tokens(slot_ids, positions, layers)
+    for s, _, n in rows:
+        store.lengths[s] += n
 
 
 @dataclass

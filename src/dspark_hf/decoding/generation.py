@@ -63,6 +63,10 @@ EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
 )
 
 
+#: Committed tokens whose features may wait for the draft's next drafting round before they are ingested anyway.
+_PENDING_LIMIT = 256
+
+
 class DSparkCandidateGenerator(CandidateGenerator):
     """Drafts γ tokens per round with a DSpark draft and lets a verification policy choose how many to verify.
 
@@ -114,6 +118,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         draft.last_generation_stats = self.stats
         self._pending: RoundStats | None = None
         self._verify_start = 0.0
+        self._features: list[torch.Tensor] = []  # committed target features the draft has not ingested yet
+        self._features_pending = 0
 
     # ------------------------------------------------------------------ protocol
     def get_candidates(
@@ -130,16 +136,19 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return input_ids, None
         with torch.no_grad():
             t0 = time.perf_counter()
-            self._ingest_context(input_ids, model_outputs)
+            self._collect_context(input_ids, model_outputs)
             budget = self.max_length - input_ids.shape[1] - 1  # the round always adds one target token
             gamma = min(self.config.block_size, budget)
             # a policy may fix the length before drafting; 0 makes this round an ordinary target step
             planned = self.policy.plan_length(1, self.config.block_size, self.schedule_context) if gamma > 0 else 0
             self.schedule_context.planned_length = planned
             if gamma <= 0 or planned == 0:  # room for the target's own token only, or no draft pays off
+                if self._features_pending >= _PENDING_LIMIT:
+                    self._ingest_pending()
                 self._pending = empty_round_stats()
                 self._verify_start = time.perf_counter()
                 return input_ids, None
+            t0 += self._ingest_pending()  # catching up on rounds that did not draft is not this round's cost
             anchors = input_ids[:, -1].to(self.draft.device)
             hidden, base_logits = draft_block(self.draft, [self.store], anchors)
             t1 = time.perf_counter()
@@ -179,15 +188,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
 
     # ------------------------------------------------------------------ steps of a round (R = 1 of drafting.py)
-    def _ingest_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:
-        """Append the target features of tokens committed since the last round to the draft's KV store.
+    def _collect_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:
+        """Keep the target features of tokens committed since the last round, for the draft's context.
 
         Every token except the newest (the anchor, which the target has not processed yet) is committed.
         The target's last forward covered `[previous anchor, verified drafts]`; its first `n_new` positions
-        are exactly the newly committed tokens (the whole prompt after the prefill).
+        are exactly the newly committed tokens (the whole prompt after the prefill). They enter the draft's KV
+        store when the draft next drafts ([`_ingest_pending`]): a round the policy does not draft in never
+        runs the draft.
         """
         committed = input_ids.shape[1] - 1
-        n_new = committed - len(self.store)
+        n_new = committed - len(self.store) - self._features_pending
         if n_new <= 0:
             return
         hidden_states = getattr(model_outputs, "hidden_states", None)
@@ -199,7 +210,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 f"Context bookkeeping error: {n_new} newly committed tokens but the target returned hidden "
                 f"states for {feats.shape[0]}."
             )
+        self._features.append(feats)
+        self._features_pending += n_new
+
+    def _ingest_pending(self) -> float:
+        """Bring the draft's context up to date; returns the seconds spent on tokens older than the last
+        round (what skipped rounds left to catch up), which the round's measured drafting cost excludes."""
+        if not self._features:
+            return 0.0
+        start = time.perf_counter()
+        latest = self._features[-1].shape[0]
+        feats = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
         ingest(self.draft, [self.store], [feats])
+        self._features, self._features_pending = [], 0
+        return (time.perf_counter() - start) * (1 - latest / feats.shape[0])
 
     def _sample_sequentially(
         self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor
