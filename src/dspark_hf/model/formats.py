@@ -308,7 +308,15 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
             UserWarning,
             stacklevel=2,
         )
-    dtype = dtype or draft.dtype
+    return _write_checkpoint(draft, embed, head, base, save_directory, dtype or draft.dtype)
+
+
+def _write_checkpoint(draft, embed: Any, head: Any, config: dict, save_directory: str, dtype: torch.dtype) -> str:
+    """Write `config.json` and `model.safetensors` as the exchange formats lay them out (DeepSpec's, speculators').
+
+    The weights are the draft's own (less its `draft_vocab_ids` buffer) plus copies of the bound target's
+    embedding and LM head (`embed_tokens.weight`, `lm_head.weight`), all cast to `dtype`.
+    """
     state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
@@ -316,7 +324,7 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     os.makedirs(save_directory, exist_ok=True)
     save_file(tensors, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(base, f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
     return save_directory
 
 
