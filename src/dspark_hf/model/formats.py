@@ -238,6 +238,15 @@ def read_deepspec_checkpoint(
     return config, weights
 
 
+def _bind_for_export(draft, target: Any) -> tuple[Any, Any, Any]:
+    """Bind `draft` to `target` if one is given; the target (given or bound), its embedding and its LM head."""
+    if target is not None:
+        draft.bind_target(target)
+    target = target or draft.bound_target
+    embed, head, _ = draft._require_bound()
+    return target, embed, head
+
+
 def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
     """Write `draft` in DeepSpec's format (what vLLM / SGLang / TensorRT-LLM serve).
 
@@ -253,10 +262,7 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     Returns:
         `str`: `save_directory`.
     """
-    if target is not None:
-        draft.bind_target(target)
-    target = target or draft.bound_target
-    embed, head, _ = draft._require_bound()
+    target, embed, head = _bind_for_export(draft, target)
     c = draft.config
     base = target.config.get_text_config().to_dict() if target is not None else {}
     for key in ("auto_map", "quantization_config", "_name_or_path", "transformers_version"):

@@ -32,7 +32,14 @@ import torch
 
 from .configuration import DSparkConfig
 from .fingerprint import fingerprint_copies
-from .formats import _HEAD_FROM_DEEPSPEC, _HEAD_TO_DEEPSPEC, _load_weights, _read_config, _write_checkpoint
+from .formats import (
+    _HEAD_FROM_DEEPSPEC,
+    _HEAD_TO_DEEPSPEC,
+    _bind_for_export,
+    _load_weights,
+    _read_config,
+    _write_checkpoint,
+)
 
 SPECULATORS_TYPES = ("dspark", "dflash")
 _ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator"}
@@ -191,10 +198,7 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
     Returns:
         `str`: `save_directory`.
     """
-    if target is not None:
-        draft.bind_target(target)
-    target = target or draft.bound_target
-    embed, head, _ = draft._require_bound()
+    target, embed, head = _bind_for_export(draft, target)
     c = draft.config
     if c.layer_style != "qwen3" or c.final_logit_softcapping is not None:
         raise ValueError(
