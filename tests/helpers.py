@@ -8,20 +8,43 @@ context (and so still exercises the KV cache and its rollback).
 `make_aligned_draft` builds a DSpark draft whose sequential head reproduces that transition table exactly
 (the backbone's base logits are switched off by a zero final norm), so the draft is *mostly right* and
 the accept path of speculative decoding is really exercised (τ well above 1).
+
+For the import/export tests (`test_formats.py`, `test_speculators.py`): `make_gemma4_target`, `randomize`
+and `assert_export_round_trip` (exact reload, and DeepSpec's reference forward within `REFERENCE_TOL`).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import dspark_hf  # noqa: F401  (registers the generate() hook)
 from dspark_hf import DSparkDraftModel
+
+from deepspec_reference import block_inputs, max_diff, ours, reference_forward
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+REFERENCE_TOL = 1e-5  # fp32: our draft's forward against DeepSpec's (tests/deepspec_reference.py)
+LLAMA3 = {  # llama3 rotary scaling, for targets (`make_target(..., rope_parameters=LLAMA3)`)
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
 }
 
 
@@ -111,3 +134,56 @@ def make_aligned_draft(target, head: str = "markov", block_size: int = 5, num_la
             draft.confidence_head.proj.weight.normal_(0.0, 1.0)
             draft.confidence_head.proj.bias.fill_(1.0)
     return draft
+
+
+def make_gemma4_target(k_eq_v: bool = True, seed: int = 0, dtype=torch.float32):
+    """A tiny random Gemma4 causal LM: sliding and full attention layers, a wider full-attention head."""
+    torch.manual_seed(seed)
+    config = Gemma4TextConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=96,
+        sliding_window=8,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        final_logit_softcapping=30.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.to(dtype)
+
+
+def randomize(draft, seed: int = 3):
+    """Non-trivial weights everywhere (norms away from 1), so every parameter shows in the logits."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return draft.eval()
+
+
+def assert_export_round_trip(draft, loaded, folder, tol: float = REFERENCE_TOL) -> None:
+    """`loaded` (read back from the export in `folder`) computes exactly what `draft` does, on one random block,
+    and DeepSpec's reference forward on `folder` the same within `tol`."""
+    inputs = block_inputs(draft)
+    for a, b in zip(ours(draft, *inputs), ours(loaded, *inputs)):
+        assert max_diff(a, b) == 0.0
+    for a, b in zip(ours(draft, *inputs), reference_forward(folder, *inputs)):
+        assert max_diff(a, b) <= tol

@@ -17,24 +17,14 @@ import warnings
 
 import pytest
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from dspark_hf import DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec
 from dspark_hf.train.features import target_features
 
 from deepspec_reference import block_inputs, max_diff, ours, reference_forward, write_deepspec_checkpoint
-from helpers import make_target
+from helpers import LLAMA3, REFERENCE_TOL, assert_export_round_trip, make_gemma4_target, make_target, randomize
 
-TOL = 1e-5
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 TARGETS = {  # Qwen3 targets as DeepSpec supports; rotary/activation as the families that use them
     "yarn": dict(rope_parameters=YARN),
     "llama3": dict(rope_parameters=LLAMA3),
@@ -45,15 +35,6 @@ TARGETS = {  # Qwen3 targets as DeepSpec supports; rotary/activation as the fami
 
 def _qwen3_target(kind: str, seed: int = 0):
     return make_target("qwen3", dtype=torch.float32, seed=seed, **TARGETS[kind])
-
-
-def _randomize(draft, seed: int = 3):
-    """Non-trivial weights everywhere (norms away from 1), so every parameter shows in the logits."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    return draft.eval()
 
 
 def _fingerprint_warnings(record) -> list[str]:
@@ -73,12 +54,13 @@ def test_deepspec_layout_import_matches_deepspec_reference(tmp_path, kind):
     inputs = block_inputs(draft)
     got, ref = ours(draft, *inputs), reference_forward(tmp_path, *inputs)
     for a, b in zip(got, ref):
-        assert max_diff(a, b) <= TOL, (kind, max_diff(a, b))
+        assert max_diff(a, b) <= REFERENCE_TOL, (kind, max_diff(a, b))
 
 
 @pytest.mark.parametrize("kind", ["yarn", "llama3", "gelu"])
 def test_reference_comparison_has_power(tmp_path, kind):
-    """Negative control: DeepSpec computed with plain rotary / SiLU differs from the import by far more than TOL."""
+    """Negative control: DeepSpec computed with plain rotary / SiLU differs from the import by far more than
+    REFERENCE_TOL."""
     target = _qwen3_target(kind)
     write_deepspec_checkpoint(tmp_path, target, target_layer_ids=[1, 3])
     draft = DSparkDraftModel.from_pretrained(tmp_path, target=target)
@@ -97,7 +79,7 @@ def test_reference_comparison_has_power(tmp_path, kind):
 )
 def test_export_import_round_trip_and_deepspec_computes_the_same(tmp_path, arch, kind):
     target = make_target(arch, dtype=torch.float32, **TARGETS[kind])
-    draft = _randomize(DSparkDraftModel.from_target(target, num_hidden_layers=2, block_size=4, markov_rank=16))
+    draft = randomize(DSparkDraftModel.from_target(target, num_hidden_layers=2, block_size=4, markov_rank=16))
     assert draft.config.rope_parameters["rope_type"] == TARGETS[kind].get("rope_parameters", {}).get(
         "rope_type", "default"
     )
@@ -106,23 +88,18 @@ def test_export_import_round_trip_and_deepspec_computes_the_same(tmp_path, arch,
     assert "rope_theta" not in written and "rope_scaling" not in written  # one rotary, in rope_parameters
     assert written["rope_parameters"] == draft.config.rope_parameters
     assert written["hidden_act"] == draft.config.hidden_act
-    loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
-    inputs = block_inputs(draft)
-    for a, b in zip(ours(draft, *inputs), ours(loaded, *inputs)):
-        assert max_diff(a, b) == 0.0
-    for a, b in zip(ours(draft, *inputs), reference_forward(tmp_path, *inputs)):
-        assert max_diff(a, b) <= TOL
+    assert_export_round_trip(draft, DSparkDraftModel.from_pretrained(tmp_path, target=target), tmp_path)
 
 
 def test_rope_theta_override_is_exported_where_transformers_reads_it(tmp_path):
     target = _qwen3_target("yarn")
-    draft = _randomize(DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, rope_theta=5e5))
+    draft = randomize(DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, rope_theta=5e5))
     assert draft.config.rope_parameters == {**YARN, "rope_theta": 5e5}
     export_deepspec(draft, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["rope_parameters"]["rope_theta"] == 5e5 and "rope_theta" not in written
     inputs = block_inputs(draft)
-    assert max_diff(ours(draft, *inputs)[1], reference_forward(tmp_path, *inputs)[1]) <= TOL
+    assert max_diff(ours(draft, *inputs)[1], reference_forward(tmp_path, *inputs)[1]) <= REFERENCE_TOL
 
 
 def test_draft_layers_rotate_like_the_targets_rotary_class():
@@ -157,40 +134,6 @@ def test_unsupported_deepspec_settings_are_refused(tmp_path, change, match):
 
 
 # ---------------------------------------------------------------------- Gemma4
-def make_gemma4_target(k_eq_v: bool = True, seed: int = 0, dtype=torch.float32):
-    """A tiny random Gemma4 causal LM: sliding and full attention layers, a wider full-attention head."""
-    torch.manual_seed(seed)
-    config = Gemma4TextConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=16,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=k_eq_v,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=96,
-        sliding_window=8,
-        max_position_embeddings=256,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        final_logit_softcapping=30.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = Gemma4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model.to(dtype)
-
-
 @pytest.mark.parametrize("k_eq_v", [True, False])
 def test_gemma4_deepspec_layout_import_matches_reference(tmp_path, k_eq_v):
     target = make_gemma4_target(k_eq_v)
@@ -201,7 +144,7 @@ def test_gemma4_deepspec_layout_import_matches_reference(tmp_path, k_eq_v):
     assert c.rope_parameters["rope_type"] == "proportional" and c.hidden_act == "gelu_pytorch_tanh"
     inputs = block_inputs(draft)
     for a, b in zip(ours(draft, *inputs), reference_forward(tmp_path, *inputs)):
-        assert max_diff(a, b) <= TOL
+        assert max_diff(a, b) <= REFERENCE_TOL
 
 
 def test_gemma4_reference_comparison_has_power(tmp_path):
@@ -216,7 +159,7 @@ def test_gemma4_reference_comparison_has_power(tmp_path):
 @pytest.mark.parametrize("k_eq_v", [True, False])
 def test_gemma4_export_import_round_trip(tmp_path, k_eq_v):
     target = make_gemma4_target(k_eq_v)
-    draft = _randomize(DSparkDraftModel.from_target(target, num_hidden_layers=2, block_size=4, markov_rank=16))
+    draft = randomize(DSparkDraftModel.from_target(target, num_hidden_layers=2, block_size=4, markov_rank=16))
     with torch.no_grad():
         for i, layer in enumerate(draft.layers):
             layer.layer_scalar.fill_(0.7 + 0.1 * i)
@@ -226,12 +169,7 @@ def test_gemma4_export_import_round_trip(tmp_path, k_eq_v):
     assert (
         written["global_head_dim"] == 16 and written["rope_parameters"]["full_attention"]["rope_type"] == "proportional"
     )
-    loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
-    inputs = block_inputs(draft)
-    for a, b in zip(ours(draft, *inputs), ours(loaded, *inputs)):
-        assert max_diff(a, b) == 0.0
-    for a, b in zip(ours(draft, *inputs), reference_forward(tmp_path, *inputs)):
-        assert max_diff(a, b) <= TOL
+    assert_export_round_trip(draft, DSparkDraftModel.from_pretrained(tmp_path, target=target), tmp_path)
 
 
 @pytest.mark.parametrize("source", ["from_target", "deepspec_import"])

@@ -19,17 +19,7 @@ from safetensors.torch import save_file
 from dspark_hf import DSparkDraftModel, export_speculators, load_speculators_checkpoint
 
 from deepspec_reference import block_inputs, max_diff, ours, reference_forward
-from helpers import make_target
-
-TOL = 1e-5
-LLAMA3 = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
+from helpers import LLAMA3, REFERENCE_TOL, assert_export_round_trip, make_gemma4_target, make_target, randomize
 
 
 def write_speculators_checkpoint(folder, target, *, aux=(0, 3), num_layers=2, block_size=4, rank=16, vocab_ids=None,
@@ -122,7 +112,7 @@ def test_speculators_import_matches_reference_and_generates_like_plain(tmp_path,
     assert c.target_name_or_path == "tiny/verifier"
     inputs = block_inputs(draft)
     for a, b in zip(ours(draft, *inputs), reference_forward(tmp_path, *inputs)):
-        assert max_diff(a, b) <= TOL
+        assert max_diff(a, b) <= REFERENCE_TOL
     prompt = torch.tensor([[5, 17, 2, 40, 33, 8]])
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft), plain)
@@ -139,7 +129,10 @@ def test_speculators_draft_vocabulary_imports_as_a_subset(tmp_path, target, d2t_
     ref_logits, ref_base, ref_conf = reference_forward(tmp_path, *inputs)  # over the K draft-vocabulary ids
     with torch.no_grad():
         out = draft(feats, block, torch.arange(9, 13)[None], prev, restrict_vocab=True)
-    assert max_diff(out.logits.float(), ref_logits) <= TOL and max_diff(out.confidence_logits.float(), ref_conf) <= TOL
+    assert (
+        max_diff(out.logits.float(), ref_logits) <= REFERENCE_TOL
+        and max_diff(out.confidence_logits.float(), ref_conf) <= REFERENCE_TOL
+    )
     prompt = torch.tensor([[5, 17, 2, 40, 33, 8]])
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=draft), plain)
@@ -148,10 +141,7 @@ def test_speculators_draft_vocabulary_imports_as_a_subset(tmp_path, target, d2t_
 def test_speculators_export_round_trip_exact(tmp_path, target):
     draft = DSparkDraftModel.from_target(target, num_hidden_layers=2, block_size=4, markov_rank=16,
                                          target_layer_ids=[-1, 2])  # fmt: skip
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    randomize(draft, seed=0)
     draft.config.target_name_or_path = "org/my-target"
     export_speculators(draft, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -161,11 +151,7 @@ def test_speculators_export_round_trip_exact(tmp_path, target):
     assert cfg["transformer_layer_config"]["rope_parameters"] == draft.config.rope_parameters
     assert cfg["draft_vocab_size"] == draft.config.vocab_size and cfg["markov_head_type"] == "vanilla"
     loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
-    inputs = block_inputs(draft)
-    for a, b in zip(ours(draft, *inputs), ours(loaded, *inputs)):
-        assert max_diff(a, b) == 0.0
-    for a, b in zip(ours(draft, *inputs), reference_forward(tmp_path, *inputs)):
-        assert max_diff(a, b) <= TOL
+    assert_export_round_trip(draft, loaded, tmp_path)
     prompt = torch.tensor([[5, 17, 2, 40, 33, 8]])
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=loaded), plain)
@@ -195,8 +181,6 @@ def test_sliding_window_draft_layers_are_refused(tmp_path, target):
 
 
 def test_gemma4_style_drafts_are_not_exported_to_speculators(tmp_path):
-    from test_formats import make_gemma4_target
-
     draft = DSparkDraftModel.from_target(make_gemma4_target(), num_hidden_layers=1)
     with pytest.raises(ValueError, match="export_deepspec"):
         export_speculators(draft, tmp_path)

@@ -8,12 +8,10 @@ The file is not committed (ShareGPT declares no licence); this script rebuilds i
 """
 
 import argparse
-import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from prompt_files import sort_shortest_first, write_jsonl
 
-from dspark_hf.default_model import default_target_path
 from dspark_hf.evaluation.prompt_sets import calibration_prompts, training_prompts
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,27 +32,20 @@ parser.add_argument("--calibration", type=int, default=64, help="calibration pro
 parser.add_argument("--calibration-output", default="data/calibration_prompts.jsonl")
 args = parser.parse_args()
 
-tokenizer = AutoTokenizer.from_pretrained(default_target_path())
 rows = training_prompts(args.chat, args.code, args.math, seed=args.seed)
-rows.sort(key=lambda r: (len(tokenizer(r["prompt"])["input_ids"]), r["prompt"]))
+sort_shortest_first(rows)
 out = Path(args.output)
 out.parent.mkdir(parents=True, exist_ok=True)
-with out.open("w", encoding="utf-8") as f:
-    for row in rows:
-        f.write(json.dumps(row) + "\n")
+write_jsonl(out, rows)
 print(f"wrote {len(rows)} prompts to {out}")
 rest = rows[args.first_stage :]
 stage2 = [r for r in rest if r["source"] != "sharegpt"] + [r for r in rest if r["source"] == "sharegpt"][::4]
 stage2.sort(key=lambda r: rows.index(r))
-with Path(args.second_stage_output).open("w", encoding="utf-8") as f:
-    for row in stage2:
-        f.write(json.dumps(row) + "\n")
+write_jsonl(args.second_stage_output, stage2)
 print(f"wrote {len(stage2)} second-stage prompts to {args.second_stage_output}")
 
 calibration = calibration_prompts(args.calibration, n_chat_trained=args.chat, seed=args.seed)
 trained = {r["prompt"] for r in rows}
 assert not any(r["prompt"] in trained for r in calibration), "calibration prompts overlap the training prompts"
-with Path(args.calibration_output).open("w", encoding="utf-8") as f:
-    for row in calibration:
-        f.write(json.dumps(row) + "\n")
+write_jsonl(args.calibration_output, calibration)
 print(f"wrote {len(calibration)} calibration prompts to {args.calibration_output}")

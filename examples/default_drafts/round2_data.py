@@ -18,9 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from prompt_files import sort_shortest_first, write_jsonl
 
-from dspark_hf.default_model import default_target_path
 from dspark_hf.evaluation.prompt_sets import calibration_prompts, training_prompts
 from dspark_hf.train.data import load_token_dataset
 
@@ -55,13 +54,10 @@ if args.command == "prompts":
     drawn = training_prompts(args.chat, args.code, args.math, seed=args.seed)
     rows = [r for r in drawn if r["source"] == "stdlib" or r["prompt"] not in used]
     rows = list({r["prompt"]: r for r in rows}.values())
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
-    rows.sort(key=lambda r: (len(tokenizer(r["prompt"])["input_ids"]), r["prompt"]))
+    sort_shortest_first(rows)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_jsonl(out, rows)
     counts = {k: sum(r["source"] == k for r in rows) for k in ("sharegpt", "stdlib", "math")}
     print(f"wrote {len(rows)} prompts to {out} ({counts})")
 else:

@@ -258,44 +258,30 @@ _NAMES = ("Ava", "Ben", "Chloe", "Diego", "Elena", "Farid", "Grace", "Hiro", "In
 _ITEMS = ("apples", "books", "marbles", "stickers", "pencils", "cookies", "cards", "shells", "stamps", "coins")
 
 
-def _math_prompts(n: int, rng: random.Random) -> list[str]:
-    """Templated arithmetic word problems (grade-school style; not GSM8K items)."""
-    templates = (
-        lambda a, b, c, x, y, it: (
-            f"{x} has {a} {it}. {y} gives {x} {b} more, then {x} gives away {c}. How many {it} does {x} have now?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"A box holds {b} {it}. {x} buys {a} boxes and shares them equally among {c} friends. How many {it} does each friend get, and how many are left over?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"{x} reads {a} pages a day for {b} days, then {c} pages a day for {a} days. How many pages did {x} read in total?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"A shirt costs ${a + 10}. It is on sale for {5 * (c % 9 + 1)}% off. {x} buys {b % 5 + 2} shirts. How much does {x} pay?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"{x} is {a} years old. {y} is {b % 7 + 2} times as old as {x} was {a // 2} years ago. How old is {y}?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"A train travels {a * 10} km in {b % 6 + 2} hours. At the same speed, how far does it travel in {c % 9 + 3} hours?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"{x} saves ${a} every week. After {b} weeks {x} spends ${c} on a bike. How much money does {x} have left?"
-        ),
-        lambda a, b, c, x, y, it: (
-            f"There are {a * 3} students in a class. {b % 50 + 10}% of them walk to school and the rest take the bus. How many take the bus?"
-        ),
-        lambda a, b, c, x, y, it: f"A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?",
-        lambda a, b, c, x, y, it: (
-            f"{x} and {y} share {a * b} {it} in the ratio {c % 4 + 1}:{c % 3 + 2}. How many {it} does each get?"
-        ),
+def _math_problems(a: int, b: int, c: int, x: str, y: str, it: str) -> tuple[str, ...]:
+    """The word-problem templates, each filled in with one draw of numbers `a, b, c`, names `x, y` and item `it`."""
+    return (
+        f"{x} has {a} {it}. {y} gives {x} {b} more, then {x} gives away {c}. How many {it} does {x} have now?",
+        f"A box holds {b} {it}. {x} buys {a} boxes and shares them equally among {c} friends. How many {it} does each friend get, and how many are left over?",
+        f"{x} reads {a} pages a day for {b} days, then {c} pages a day for {a} days. How many pages did {x} read in total?",
+        f"A shirt costs ${a + 10}. It is on sale for {5 * (c % 9 + 1)}% off. {x} buys {b % 5 + 2} shirts. How much does {x} pay?",
+        f"{x} is {a} years old. {y} is {b % 7 + 2} times as old as {x} was {a // 2} years ago. How old is {y}?",
+        f"A train travels {a * 10} km in {b % 6 + 2} hours. At the same speed, how far does it travel in {c % 9 + 3} hours?",
+        f"{x} saves ${a} every week. After {b} weeks {x} spends ${c} on a bike. How much money does {x} have left?",
+        f"There are {a * 3} students in a class. {b % 50 + 10}% of them walk to school and the rest take the bus. How many take the bus?",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and its perimeter?",
+        f"{x} and {y} share {a * b} {it} in the ratio {c % 4 + 1}:{c % 3 + 2}. How many {it} does each get?",
     )
+
+
+def _math_prompts(n: int, rng: random.Random) -> list[str]:
+    """Templated arithmetic word problems (grade-school style; not GSM8K items), the templates in turn."""
     out = []
     for i in range(n):
         a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 30)
         x, y = rng.sample(_NAMES, 2)
-        template = templates[i % len(templates)]
-        out.append(template(a, b, c, x, y, rng.choice(_ITEMS)) + " Answer step by step, then give the final number.")
+        problems = _math_problems(a, b, c, x, y, rng.choice(_ITEMS))
+        out.append(problems[i % len(problems)] + " Answer step by step, then give the final number.")
     return out
 
 

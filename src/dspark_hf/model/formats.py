@@ -238,6 +238,15 @@ def read_deepspec_checkpoint(
     return config, weights
 
 
+def _bind_for_export(draft, target: Any) -> tuple[Any, Any, Any]:
+    """Bind `draft` to `target` if one is given; the target (given or bound), its embedding and its LM head."""
+    if target is not None:
+        draft.bind_target(target)
+    target = target or draft.bound_target
+    embed, head, _ = draft._require_bound()
+    return target, embed, head
+
+
 def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
     """Write `draft` in DeepSpec's format (what vLLM / SGLang / TensorRT-LLM serve).
 
@@ -253,10 +262,7 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     Returns:
         `str`: `save_directory`.
     """
-    if target is not None:
-        draft.bind_target(target)
-    target = target or draft.bound_target
-    embed, head, _ = draft._require_bound()
+    target, embed, head = _bind_for_export(draft, target)
     c = draft.config
     base = target.config.get_text_config().to_dict() if target is not None else {}
     for key in ("auto_map", "quantization_config", "_name_or_path", "transformers_version"):
@@ -308,7 +314,15 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
             UserWarning,
             stacklevel=2,
         )
-    dtype = dtype or draft.dtype
+    return _write_checkpoint(draft, embed, head, base, save_directory, dtype or draft.dtype)
+
+
+def _write_checkpoint(draft, embed: Any, head: Any, config: dict, save_directory: str, dtype: torch.dtype) -> str:
+    """Write `config.json` and `model.safetensors` as the exchange formats lay them out (DeepSpec's, speculators').
+
+    The weights are the draft's own (less its `draft_vocab_ids` buffer) plus copies of the bound target's
+    embedding and LM head (`embed_tokens.weight`, `lm_head.weight`), all cast to `dtype`.
+    """
     state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
@@ -316,7 +330,7 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     os.makedirs(save_directory, exist_ok=True)
     save_file(tensors, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(base, f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
     return save_directory
 
 

@@ -546,16 +546,14 @@ def load_speculators_checkpoint(
     """
     path_or_repo = os.fspath(path_or_repo)
     config, weights, vocab_ids = read_speculators_checkpoint(path_or_repo, revision, token)
-    draft = _draft_from_weights(config, weights, path_or_repo, dtype, None, "speculators")
-    if vocab_ids is not None:
-        draft.set_draft_vocab(vocab_ids)
-    if target is not None:
-        draft.bind_target(target)
-    return draft
+    return _draft_from_weights(config, weights, path_or_repo, dtype, target, "speculators", vocab_ids)
 
 
-def _draft_from_weights(config, weights, source: str, dtype, target, fmt: str) -> DSparkDraftModel:
-    """A draft for `config` holding exactly `weights` (every key and shape must match), bound to `target`."""
+def _draft_from_weights(
+    config, weights, source: str, dtype, target, fmt: str, vocab_ids: torch.Tensor | None = None
+) -> DSparkDraftModel:
+    """A draft for `config` holding exactly `weights` (every key and shape must match), with the draft
+    vocabulary `vocab_ids` (if any), bound to `target`."""
     stored_dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -575,6 +573,8 @@ def _draft_from_weights(config, weights, source: str, dtype, target, fmt: str) -
             f"unexpected {unexpected}."
         )
     draft.eval()
+    if vocab_ids is not None:
+        draft.set_draft_vocab(vocab_ids)
     if target is not None:
         draft.bind_target(target)
     return draft

@@ -24,17 +24,22 @@ are fingerprinted and dropped on import, like DeepSpec's copies; export writes t
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from .configuration import DSparkConfig
 from .fingerprint import fingerprint_copies
-from .formats import _HEAD_FROM_DEEPSPEC, _HEAD_TO_DEEPSPEC, _load_weights, _read_config
+from .formats import (
+    _HEAD_FROM_DEEPSPEC,
+    _HEAD_TO_DEEPSPEC,
+    _bind_for_export,
+    _load_weights,
+    _read_config,
+    _write_checkpoint,
+)
 
 SPECULATORS_TYPES = ("dspark", "dflash")
 _ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator"}
@@ -193,10 +198,7 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
     Returns:
         `str`: `save_directory`.
     """
-    if target is not None:
-        draft.bind_target(target)
-    target = target or draft.bound_target
-    embed, head, _ = draft._require_bound()
+    target, embed, head = _bind_for_export(draft, target)
     c = draft.config
     if c.layer_style != "qwen3" or c.final_logit_softcapping is not None:
         raise ValueError(
@@ -271,12 +273,4 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
         )
     dtype = dtype or draft.dtype
     out["dtype"] = str(dtype).replace("torch.", "")
-    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-    tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
-    tensors["lm_head.weight"] = head.weight.detach().to(dtype).contiguous().clone()
-    os.makedirs(save_directory, exist_ok=True)
-    save_file(tensors, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(save_directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2, sort_keys=True)
-    return save_directory
+    return _write_checkpoint(draft, embed, head, out, save_directory, dtype)
