@@ -45,8 +45,9 @@ def target():
 
 def _draft(target, head="markov", subset=False, gamma=GAMMA):
     draft = make_aligned_draft(target, head, block_size=gamma)
-    with torch.no_grad():
-        draft.norm.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))  # base logits matter
+    with torch.no_grad():  # base logits matter (drawn on the CPU, so a CUDA draft gets the same weights)
+        weight = draft.norm.weight
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5), dtype=weight.dtype))
     if subset:
         draft.set_draft_vocab(SUBSET)
     return draft.bind_target(target)
@@ -344,11 +345,13 @@ def test_cuda_graph_capture_replays_the_padded_step(do_sample):
         seed = 100 + round_
         gens = [torch.Generator(device="cuda").manual_seed(seed) for _ in range(2)]
         graphed = captured.run(stores, anchors, gens[0])
+        assert graphed is not None, draft._step_graphs.failed  # the capture raised
         reference = eager.run(stores, anchors, gens[1])
         _assert_same(reference, graphed)  # the same kernels on the same inputs
-        new = _stores(draft, [20], seed=round_)[0]
+        new = _stores(draft, [40], seed=round_)[0]  # 13, 53, 93: the second bucket is captured too
         stores[0].append([new.layer(i) for i in range(len(draft.layers))])
-    assert any(entry.graph is not None for entry in draft._step_graphs.entries.values())
+    graphs = [key[2] for key, entry in draft._step_graphs.entries.items() if entry.graph is not None]
+    assert sorted(graphs) == [64, 128], graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -357,13 +360,19 @@ def test_cuda_graphs_in_generate_keep_greedy_identity():
     draft = _draft(gpu_target, "markov", subset=True).cuda()
     prompt = _prompt().cuda()
     expected = gpu_target.generate(prompt, max_new_tokens=40, do_sample=False)
+    kwargs = {"assistant_model": draft, "dspark_policy": "fixed", "max_new_tokens": 40, "do_sample": False}
     for _ in range(2):  # the second call replays the graphs the first one captured
-        out = gpu_target.generate(prompt, assistant_model=draft, max_new_tokens=40, do_sample=False)
+        out = gpu_target.generate(prompt, **kwargs)
         assert torch.equal(out, expected)
         stats = draft.last_generation_stats
         assert stats.cuda_graphs is True, stats.cuda_graphs_fallback  # auto: on for CUDA
     captured = len(draft._step_graphs.entries)
-    gpu_target.generate(prompt, assistant_model=draft, max_new_tokens=40, do_sample=False)
+    gpu_target.generate(prompt, **kwargs)
     assert len(draft._step_graphs.entries) == captured
-    gpu_target.generate(prompt, assistant_model=draft, max_new_tokens=8, do_sample=False, dspark_cuda_graphs=False)
+    gpu_target.generate(prompt, **kwargs, dspark_cuda_graphs=False)
     assert draft.last_generation_stats.cuda_graphs is False
+    torch.manual_seed(0)  # sampling with top-k (graph-safe): exact draws, and a seed reproduces the call
+    first = gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20)
+    assert draft.last_generation_stats.cuda_graphs is True
+    torch.manual_seed(0)
+    assert torch.equal(gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20), first)
