@@ -408,6 +408,29 @@ def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
     assert set(verified[survival][:-1]) == {3} and set(verified[deepspec][:-1]) == {4}
 
 
+def test_cli_eval_runs_cuda_graphs_on_and_off(tiny, tmp_path):
+    """`--cuda-graphs on off` runs every draft both ways, side by side; each method records whether the graph
+    path ran (never on this CPU: the "on" method falls back, with the same tokens)."""
+    pytest.importorskip("evaluate")
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
+
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = save_prompt_file([PromptItem("mine", "p0", "count to three")], tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"d={tmp_path / 'draft'}"]
+    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "12", "--temperatures", "0"]
+    argv += ["--cuda-graphs", "on", "off", "--output", str(out), "--no-progress", "--no-prompt-lookup"]
+    assert cli_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["cuda_graphs"] == {"d@graphs-on": True, "d@graphs-off": False}
+    assert data["methods"]["d@graphs-on"]["cuda_graphs"] is False  # asked for, not possible on a CPU
+    for method in ("d@graphs-on", "d@graphs-off"):
+        assert data["quality"]["greedy_identity"]["mine"][method]["exact_match"] == 1.0
+
+
 def test_load_draft_follows_the_targets_dtype(tiny, tmp_path):
     from dspark_hf.default_model import _torch_dtype, load_draft, load_target
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from ..evaluation.prompt_sets import EVAL_SETS
 from ._common import UserError, model_source
 
+GRAPH_MODES = {"auto": None, "on": True, "off": False}  # --cuda-graphs → generate(dspark_cuda_graphs=...)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
@@ -44,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--policy threshold:0.7 confidence_threshold:0.7 (the survival rule and DeepSpec's rule); 'default' "
             "names generate()'s own choice"
         ),
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        nargs="+",
+        choices=sorted(GRAPH_MODES),
+        default=None,
+        help="dspark_cuda_graphs for every draft: auto (the default: on for CUDA), on or off. Several values run "
+        "each draft under each, as methods NAME@graphs-MODE, side by side (e.g. --cuda-graphs on off)",
     )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -121,18 +131,27 @@ def main(args: argparse.Namespace) -> int:
             "asked for): almost every drafted token is rejected, so τ stays near 1. Outputs are still exact."
         )
     specs_given = args.policy or ["default"]
+    graphs_given = args.cuda_graphs or ["auto"]
     policy = None if specs_given[0] == "default" else specs_given[0]
-    if len(specs_given) > 1:  # one method per (draft, policy); the same draft object serves all its policies
+    cuda_graphs = GRAPH_MODES[graphs_given[0]]
+    if len(specs_given) > 1 or len(graphs_given) > 1:
+        # one method per (draft, policy, graph mode); the same draft object serves all of them
         from ..scheduling.policies import resolve_policy
 
         for spec in specs_given:  # fail before loading any prompt
             if spec != "default":
                 resolve_policy(spec, has_confidence=True)
-        named = {f"{name}@{spec}": (name, spec) for name in drafts for spec in specs_given}
-        drafts = {method: drafts[name] for method, (name, _) in named.items()}
-        policy = {method: None if spec == "default" else spec for method, (_, spec) in named.items()}
-        specs = [(method, dict(specs)[name]) for method, (name, _) in named.items()]
-        fresh = [method for method, (name, _) in named.items() if name in fresh]
+        named = {}
+        for name in drafts:
+            for spec in specs_given:
+                for mode in graphs_given:
+                    method = name + (f"@{spec}" if len(specs_given) > 1 else "")
+                    named[method + (f"@graphs-{mode}" if len(graphs_given) > 1 else "")] = (name, spec, mode)
+        drafts = {method: drafts[name] for method, (name, _, _) in named.items()}
+        policy = {method: None if spec == "default" else spec for method, (_, spec, _) in named.items()}
+        cuda_graphs = {method: GRAPH_MODES[mode] for method, (_, _, mode) in named.items()}
+        specs = [(method, dict(specs)[name]) for method, (name, _, _) in named.items()]
+        fresh = [method for method, (name, _, _) in named.items() if name in fresh]
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None
     report = evaluate_drafts(
         target,
@@ -145,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         policy=policy,
+        cuda_graphs=cuda_graphs,
         seed=args.seed,
         prompt_lookup=args.prompt_lookup,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,

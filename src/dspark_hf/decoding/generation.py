@@ -36,7 +36,9 @@ from ..model.kernels import default_kernels, explicit_kernels, use_kernels
 from ..model.modeling import DSparkDraftModel
 from ..scheduling.policies import ScheduleContext, resolve_policy
 from .caches import KVStore
+from .draft_graphs import draft_step_graphs
 from .drafting import (
+    BlockScores,
     DraftedBlock,
     SequenceSampler,
     draft_block,
@@ -79,6 +81,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             calibrated confidence head and `"fixed"` otherwise.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
+
+    The draft step runs as a captured CUDA graph when the `cuda_graphs` option is on (by precedence
+    `generate(dspark_cuda_graphs=...)`, `generation_config.dspark_cuda_graphs`, `draft.cuda_graphs`; `None`, the
+    default, is on for a CUDA draft), see `dspark_hf.decoding.draft_graphs`.
     """
 
     requires_model_outputs = True
@@ -116,6 +122,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.stats = GenerationStats(block_size=self.config.block_size, policy=repr(self.policy))
         draft.last_generation_stats = self.stats
+        self.graphs = draft_step_graphs(draft, generation_config, logits_processor, self.do_sample, self.stats)
         self._pending: RoundStats | None = None
         self._verify_start = 0.0
         self._features: list[torch.Tensor] = []  # committed target features the draft has not ingested yet
@@ -150,11 +157,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 return input_ids, None
             t0 += self._ingest_pending()  # catching up on rounds that did not draft is not this round's cost
             anchors = input_ids[:, -1].to(self.draft.device)
-            hidden, base_logits = draft_block(self.draft, [self.store], anchors)
-            t1 = time.perf_counter()
-            tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden[0], base_logits[0])
-            block = DraftedBlock(tokens[None], logits[None], conf_logits[None] if conf_logits is not None else None)
-            host = read_round(block, score_block(block, self.temperatures))
+            block, scores, t1 = self._draft(input_ids, anchors)
+            tokens, logits = block.tokens[0], block.logits[0]
+            host = read_round(block, scores)
             length = verified_lengths(self.policy, self.schedule_context, host, [gamma], [self.eos_token_ids])[0]
             round_stats = make_round_stats(host, 0, length)
             t2 = time.perf_counter()
@@ -224,6 +229,22 @@ class DSparkCandidateGenerator(CandidateGenerator):
         ingest(self.draft, [self.store], [feats])
         self._features, self._features_pending = [], 0
         return (time.perf_counter() - start) * (1 - latest / feats.shape[0])
+
+    def _draft(self, input_ids: torch.LongTensor, anchors: torch.Tensor) -> tuple[DraftedBlock, BlockScores, float]:
+        """Steps 2–4 of the round: the block, its scores, and when the backbone finished (`perf_counter`).
+
+        One graph replay when the graph path is on (the backbone's time then covers the launch only), else
+        [`draft_block`] and the sequential head eagerly.
+        """
+        if self.graphs is not None:
+            graphed = self.graphs.run([self.store], anchors, self.generator)
+            if graphed is not None:
+                return (*graphed, time.perf_counter())
+        hidden, base_logits = draft_block(self.draft, [self.store], anchors)
+        t1 = time.perf_counter()
+        tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden[0], base_logits[0])
+        block = DraftedBlock(tokens[None], logits[None], conf_logits[None] if conf_logits is not None else None)
+        return block, score_block(block, self.temperatures), t1
 
     def _sample_sequentially(
         self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor
@@ -307,8 +328,9 @@ def install_generate_hook() -> None:
         # calls alike, so both can run on the same kernels; without it, a mode set with set_kernels() does.
         kernels = kwargs.pop("dspark_kernels", None)
         if not isinstance(draft, DSparkDraftModel):
-            if "dspark_policy" in kwargs:
-                raise ValueError("`dspark_policy` only applies with `assistant_model=<DSparkDraftModel>`.")
+            for name in ("dspark_policy", "dspark_cuda_graphs"):
+                if name in kwargs:
+                    raise ValueError(f"`{name}` only applies with `assistant_model=<DSparkDraftModel>`.")
             kernels = kernels or explicit_kernels()
             if kernels is None:
                 return original_generate(self, *args, **kwargs)
@@ -318,6 +340,7 @@ def install_generate_hook() -> None:
         # `dspark_policy=` as a generate() argument applies to this call only; transformers would reject an
         # unknown keyword, so it is handed to the candidate generator through the draft.
         draft._call_policy = kwargs.pop("dspark_policy", None)
+        draft._call_cuda_graphs = kwargs.pop("dspark_cuda_graphs", None)  # likewise (draft_graphs.py)
         try:
             # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
             # verifying k tokens cost about what one token does (see dspark_hf.model.kernels).
@@ -325,6 +348,7 @@ def install_generate_hook() -> None:
                 return original_generate(self, *args, **kwargs)
         finally:
             draft._call_policy = None
+            draft._call_cuda_graphs = None
 
     generate._dspark_original = original_generate
     GenerationMixin.generate = generate

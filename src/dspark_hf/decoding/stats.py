@@ -45,11 +45,17 @@ class RoundStats:
 
 @dataclass
 class GenerationStats:
-    """All rounds of one `generate()` call (prefill excluded) and their summaries."""
+    """All rounds of one `generate()` call (prefill excluded) and their summaries.
+
+    `cuda_graphs` says whether the draft step ran as a captured CUDA graph in this call
+    (`dspark_hf.decoding.draft_graphs`); `cuda_graphs_fallback` is the reason it did not, when the option was on.
+    """
 
     block_size: int
     policy: str
     rounds: list[RoundStats] = field(default_factory=list)
+    cuda_graphs: bool = False
+    cuda_graphs_fallback: str | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -107,6 +113,7 @@ class GenerationStats:
             "mean_predicted_accepted": self.mean_predicted_accepted,
             "acceptance_by_position": self.acceptance_by_position,
             "time_split": self.time_split(),
+            "cuda_graphs": self.cuda_graphs,
         }
 
     def to_dict(self) -> dict:

@@ -570,6 +570,7 @@ def evaluate_drafts(
     max_new_tokens: int = 256,
     repeats: int = 1,
     policy: str | Mapping[str, str | None] | None = None,
+    cuda_graphs: bool | Mapping[str, bool | None] | None = None,
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -600,6 +601,9 @@ def evaluate_drafts(
             else the product default, see [`resolve_policy`]); the policy each draft ran with is recorded in
             `report.methods[name]["policy"]`. `"fixed"` verifies the whole block, so τ is compared at full
             γ, as in the paper.
+        cuda_graphs (`bool` or `Mapping[str, bool]`, *optional*): `dspark_cuda_graphs` for every draft, or one
+            per draft name; `None` leaves `generate()`'s own choice (on for a CUDA draft). Whether the graph path
+            ran is recorded in `report.methods[name]["cuda_graphs"]`.
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
@@ -653,6 +657,9 @@ def evaluate_drafts(
             spec = policy.get(method) if isinstance(policy, Mapping) else policy
             if spec is not None:  # otherwise generate()'s own default, as a user gets it
                 kwargs["dspark_policy"] = spec
+            graphs = cuda_graphs.get(method) if isinstance(cuda_graphs, Mapping) else cuda_graphs
+            if graphs is not None:
+                kwargs["dspark_cuda_graphs"] = graphs
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
@@ -676,6 +683,7 @@ def evaluate_drafts(
         stats = getattr(draft, "last_generation_stats", None) if first is not None else None
         if stats is not None:
             methods[name]["policy"] = stats.policy
+            methods[name]["cuda_graphs"] = stats.cuda_graphs
 
     runs = []
     for set_name, rows in items.items():
@@ -709,6 +717,7 @@ def evaluate_drafts(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "policy": dict(policy) if isinstance(policy, Mapping) else policy,
+        "cuda_graphs": dict(cuda_graphs) if isinstance(cuda_graphs, Mapping) else cuda_graphs,
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
         "timing": "per prompt, methods interleaved in every repeat; tokens/s = new tokens / median seconds, summed",
