@@ -75,7 +75,7 @@ class SlotKV:
 
     The engine keeps every active request in one *slot* (a batch row), so a round's target forward reads the
     batch's past as views `[:rows, :, :past]` of these buffers and writes its new keys/values into them in
-    place, at each row's own positions ([`slot_cache`](dspark_hf._transformers.slot_cache) scatters them): a
+    place, at each row's own positions (`dspark_hf._transformers.slot_cache` scatters them): a
     round launches O(layers) copy kernels, not O(layers × rows), and never copies the history. Rolling back
     rejected drafts is only not advancing a row's length: their keys sit beyond it, masked out, until the next
     round overwrites them.
