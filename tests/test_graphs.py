@@ -376,3 +376,51 @@ def test_cuda_graphs_in_generate_keep_greedy_identity():
     assert draft.last_generation_stats.cuda_graphs is True
     torch.manual_seed(0)
     assert torch.equal(gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20), first)
+
+
+# ---------------------------------------------------------------------- the engine's graph path
+def test_engine_graph_path_is_exact_and_runs_for_greedy_rows(monkeypatch):
+    """`DSparkEngine(cuda_graphs=True)` drafts greedy rows through the graph runner (here replaying the padded
+    step eagerly, as on a CPU the capture cannot run) and stays token-identical to plain `generate()`; rows
+    that sample fall back to the eager step."""
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    monkeypatch.setattr(draft_graphs, "graph_unavailable", lambda draft, processors: None)
+    monkeypatch.setattr(draft_graphs, "DraftStepGraphs", functools.partial(draft_graphs.DraftStepGraphs, capture=False))
+    target = make_target("llama", vocab_size=VOCAB, markov=True)
+    draft = make_aligned_draft(target, "markov", block_size=GAMMA)
+    engine = DSparkEngine(target, draft, policy="fixed", max_batch_size=3, cuda_graphs=True)
+    assert engine.graphs is not None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 14, 7)]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert engine.graph_rounds > 0
+    for prompt, out in zip(prompts, outs):
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == ref.tolist()
+    before = engine.graph_rounds
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, do_sample=True, seed=1))
+    assert engine.graph_rounds == before  # sampling rows run the eager step
+
+
+def test_engine_cuda_graphs_default_off_on_cpu():
+    from dspark_hf import DSparkEngine
+
+    target = make_target("llama", vocab_size=VOCAB, markov=True)
+    draft = make_aligned_draft(target, "markov", block_size=GAMMA)
+    assert DSparkEngine(target, draft, policy="fixed").graphs is None
+
+
+def test_engine_cuda_graphs_on_cpu_logs_why_and_runs_eagerly(caplog):
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    target = make_target("llama", vocab_size=VOCAB, markov=True)
+    draft = make_aligned_draft(target, "markov", block_size=GAMMA)
+    with caplog.at_level(logging.WARNING, logger="dspark_hf.decoding.engine"):
+        engine = DSparkEngine(target, draft, policy="fixed", cuda_graphs=True)
+    assert engine.graphs is None
+    assert [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage() and "cpu" in r.getMessage()]
+    prompt = [3, 5, 7, 11]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+    assert out.token_ids == ref.tolist() and engine.graph_rounds == 0

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -48,6 +49,7 @@ import torch
 
 from ..model.cpu_packing import cpu_packing_enabled, packed_linears
 from ..scheduling.policies import ScheduleContext, resolve_policy
+from . import draft_graphs
 from .caches import SlotKV, SlotRow
 from .drafting import (
     RowsSampler,
@@ -75,6 +77,8 @@ from .engine_batch import (
 )
 from .metrics import EngineMetrics
 from .stats import GenerationStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -227,6 +231,10 @@ class DSparkEngine:
             cached on first use if needed and not given.
         cpu_packing (`bool`, *optional*): run the target's and draft's CPU linears on packed weights (see
             `dspark_hf.model.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
+        cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
+            captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
+            it eagerly); `None` (the default) turns it on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
+            (when capture is impossible the engine logs why and runs eagerly).
     """
 
     def __init__(
@@ -240,6 +248,7 @@ class DSparkEngine:
         layout: str = "auto",
         sps=None,
         cpu_packing: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -273,6 +282,8 @@ class DSparkEngine:
             self.temperatures = torch.tensor(
                 draft.config.calibration_temperatures, dtype=torch.float32, device=draft.device
             )
+        self.graphs = self._draft_graphs(cuda_graphs) if self.speculate else None
+        self.graph_rounds = 0  # rounds whose draft step ran on the graph path
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
         self.metrics = EngineMetrics(block_size=max(self.gamma, 1))
         self._queue: deque[_Request] = deque()
@@ -528,12 +539,21 @@ class DSparkEngine:
         if self.speculate and max(budgets) > 0 and context.planned_length != 0:
             catch_up = self._ingest_pending(reqs)
             anchor_ids = torch.tensor(anchors, device=self.draft.device)
-            hidden, base = draft_block(self.draft, self._dkv, anchor_ids)
-            t_head = time.perf_counter()
-            histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
-            sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
-            block = sample_block(self.draft, hidden, base, anchor_ids, sampler)
-            host = read_round(block, score_block(block, self.temperatures))
+            graphed = None
+            if self.graphs is not None and all(not r.sampler.do_sample and not r.sampler.processors for r in reqs):
+                graphed = self.graphs.run([r.dkv for r in reqs], anchor_ids)  # one replay (None: capture failed)
+            if graphed is not None:
+                t_head = time.perf_counter()
+                block, scores = graphed
+                self.graph_rounds += 1
+            else:
+                hidden, base = draft_block(self.draft, self._dkv, anchor_ids)
+                t_head = time.perf_counter()
+                histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
+                sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
+                block = sample_block(self.draft, hidden, base, anchor_ids, sampler)
+                scores = score_block(block, self.temperatures)
+            host = read_round(block, scores)
             drafted = host.tokens
             lengths = verified_lengths(self.policy, context, host, budgets, [r.eos for r in reqs])
         t1 = time.perf_counter()
@@ -594,6 +614,17 @@ class DSparkEngine:
                 verified=lengths,
                 accepted=[n for n, _ in outcomes],
             )
+
+    def _draft_graphs(self, requested: bool | None):
+        """The CUDA-graph runner of the draft step (greedy rows without processors), or `None` for eager."""
+        if requested is False or (requested is None and self.draft.device.type != "cuda"):
+            return None
+        reason = draft_graphs.graph_unavailable(self.draft, None)
+        if reason is None:
+            return draft_graphs.DraftStepGraphs(self.draft, None, do_sample=False)
+        log = logger.warning if requested else logger.info
+        log("DSpark engine: CUDA graphs of the draft step are off, running it eagerly: %s.", reason)
+        return None
 
     def _ingest_pending(self, reqs: list[_Request]) -> float:
         """Bring the rows' draft contexts up to date with every token they have committed (one draft pass).
