@@ -3,7 +3,8 @@
 Every `import`/`from ... import` of a `dspark_hf` module counts, at module level or inside a function (a
 function-level import that hides an upward arrow is still an upward arrow). The stages, bottom first:
 
-    _version, _paths, _transformers,  helpers that import nothing of ours
+    _version, _paths, _threads,
+    _transformers,                    helpers that import nothing of ours
     extras
     model/                            the draft model, its formats and Hub helpers, CPU packing
     scheduling/, default_model        policies/SPS/calibration; the offline default target and shipped drafts
@@ -26,6 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dspark_hf"
 STAGE = {
     "_version": 0,
     "_paths": 0,
+    "_threads": 0,
     "_transformers": 0,
     "extras": 0,
     "model": 1,

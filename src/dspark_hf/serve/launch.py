@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 
+from .._threads import run_in_fresh_thread
 from ..decoding.engine import DSparkEngine
 from .app import ServeConfig, create_app
 
@@ -40,16 +41,23 @@ def load_app(
     """
     from ..default_model import DEFAULT_TARGET_HUB_ID, load_draft, load_target
 
-    target_model, tokenizer = load_target(target, dtype=dtype, device=device)
-    draft_model = None
-    if policy != "none":
-        draft_model, fresh = load_draft(target_model, draft)
-        if fresh:
-            logger.warning("serving with a fresh, untrained draft: output is exact, but nearly every draft is rejected")
+    def load_engine() -> DSparkEngine:
+        target_model, tokenizer = load_target(target, dtype=dtype, device=device)
+        draft_model = None
+        if policy != "none":
+            draft_model, fresh = load_draft(target_model, draft)
+            if fresh:
+                logger.warning(
+                    "serving with a fresh, untrained draft: output is exact, but nearly every draft is rejected"
+                )
+        return DSparkEngine(target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size)
+
+    # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
+    # leave this thread an OpenMP pool next to the engine worker's, which slows every round (see `_threads`).
+    engine = run_in_fresh_thread(load_engine)
     config = config or ServeConfig()
     if config.model_name == ServeConfig.model_name:
         config.model_name = target or DEFAULT_TARGET_HUB_ID
-    engine = DSparkEngine(target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size)
     logger.info("engine ready: policy %s, max_batch_size %d", engine.policy, max_batch_size)
     return create_app(engine, config)
 
