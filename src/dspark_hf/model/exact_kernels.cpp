@@ -73,14 +73,21 @@ inline vec8 vload_tail(const float* p, int64_t n) {
 }
 
 // out[r][c] for R rows x C columns of one tile; every (r, c) keeps its own accumulator.
+// `ahead` (may be null): a weight region to prefetch while this tile computes (the tile PREFETCH_TILES further on),
+// so that streaming the weights from memory overlaps the arithmetic instead of following it. Prefetching only
+// moves data into the cache; it changes no arithmetic.
 template <int R, int C>
 inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, float* out, int64_t ldo,
-                     const float* bias) {
+                     const float* bias, const float* ahead = nullptr) {
   vec8 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   const int64_t full = K - K % 8;
   for (int64_t k = 0; k < full; k += 8) {
+#ifdef DSPARK_AVX2
+    if (ahead != nullptr && (k & 15) == 0)  // one 64-byte line per C weight rows' 16 floats
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T0);
+#endif
     vec8 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = vload(ws[c] + k);
     for (int r = 0; r < R; ++r) {
@@ -106,15 +113,15 @@ inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, 
 
 template <int C>
 inline void rows_tile(const float* x, int64_t M, const float* const* ws, int64_t K, float* out, int64_t N,
-                      const float* bias) {
+                      const float* bias, const float* ahead) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) {
     const float* xs[4] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K, x + (m + 3) * K};
-    dot_tile<4, C>(xs, ws, K, out + m * N, N, bias);
+    dot_tile<4, C>(xs, ws, K, out + m * N, N, bias, m == 0 ? ahead : nullptr);
   }
   for (; m < M; ++m) {
     const float* xs[1] = {x + m * K};
-    dot_tile<1, C>(xs, ws, K, out + m * N, N, bias);
+    dot_tile<1, C>(xs, ws, K, out + m * N, N, bias, m == 0 ? ahead : nullptr);
   }
 }
 
@@ -138,21 +145,26 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   constexpr int64_t CT = 3;  // columns per tile
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 4
+#endif
   const int64_t tiles = (N + CT - 1) / CT;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * CT;
       const int64_t cols = std::min<int64_t>(CT, N - n);
       const float* b_n = bp ? bp + n : nullptr;
+      // the weights PREFETCH_TILES tiles on, within this thread's range (the range is contiguous in memory)
+      const float* ahead = (t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
       if (cols == 3) {
         const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
-        rows_tile<3>(xp, M, ws, K, op + n, N, b_n);
+        rows_tile<3>(xp, M, ws, K, op + n, N, b_n, ahead);
       } else if (cols == 2) {
         const float* ws[2] = {wp + n * K, wp + (n + 1) * K};
-        rows_tile<2>(xp, M, ws, K, op + n, N, b_n);
+        rows_tile<2>(xp, M, ws, K, op + n, N, b_n, ahead);
       } else {
         const float* ws[1] = {wp + n * K};
-        rows_tile<1>(xp, M, ws, K, op + n, N, b_n);
+        rows_tile<1>(xp, M, ws, K, op + n, N, b_n, ahead);
       }
     }
   });
