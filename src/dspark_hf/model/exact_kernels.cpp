@@ -155,7 +155,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
       const int64_t cols = std::min<int64_t>(CT, N - n);
       const float* b_n = bp ? bp + n : nullptr;
       // the weights PREFETCH_TILES tiles on, within this thread's range (the range is contiguous in memory)
-      const float* ahead = (t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
+      const float* ahead = (PREFETCH_TILES > 0 && t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
       if (cols == 3) {
         const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
         rows_tile<3>(xp, M, ws, K, op + n, N, b_n, ahead);
