@@ -13,6 +13,7 @@ gradio or evaluate).
 
 from transformers import AutoConfig, AutoModel
 
+from ._threads import run_in_fresh_thread
 from ._version import __version__
 from .decoding.engine import DSparkEngine, RequestOutput, SamplingParams
 from .decoding.generation import DSparkCandidateGenerator, install_generate_hook
@@ -71,6 +72,7 @@ __all__ = [
     "pack_linear_weights",
     "packed_linears",
     "resolve_policy",
+    "run_in_fresh_thread",
     "set_cpu_packing",
     "set_kernels",
     "unpack_linear_weights",
