@@ -247,3 +247,38 @@ def test_cli_defaults_are_safe():
     args = build_parser().parse_args(["demo"])
     assert args.host == "127.0.0.1" and args.share is False
     assert args.max_prompt_tokens == 1024 and args.max_new_tokens_cap == 256
+
+
+def test_cli_loads_the_models_off_the_main_thread(monkeypatch, tiny):
+    """Replies decode in worker threads: a main thread that ran the loading kernels would keep a second OpenMP pool
+    and slow every reply (`dspark_hf._threads`; the mechanism itself is measured in tests/test_serve_threads.py)."""
+    import threading
+
+    import dspark_hf.default_model as default_model
+    import dspark_hf.demo as demo
+    from dspark_hf.cli import build_parser
+    from dspark_hf.commands.demo import main
+
+    target, tok, draft = tiny
+    where = []
+
+    def load_target(name):
+        where.append(("target", threading.current_thread() is threading.main_thread()))
+        return target, tok
+
+    def load_draft(loaded, name):
+        where.append(("draft", threading.current_thread() is threading.main_thread()))
+        return draft, False
+
+    launched = []
+
+    class App:
+        def launch(self, **kwargs):
+            launched.append(kwargs)
+
+    monkeypatch.setattr(default_model, "load_target", load_target)
+    monkeypatch.setattr(default_model, "load_draft", load_draft)
+    monkeypatch.setattr(demo, "build_app", lambda *args, **kwargs: App())
+    assert main(build_parser().parse_args(["demo", "--port", "7999"])) == 0
+    assert where == [("target", False), ("draft", False)]
+    assert launched and launched[0]["server_port"] == 7999

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from dspark_hf._threads import run_in_fresh_thread
     from dspark_hf.default_model import SHIPPED_DRAFTS, load_draft, load_target
     from dspark_hf.demo import Caps, _import_gradio, build_app
 
@@ -39,8 +40,14 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model_source(args.target, "--target")
     model_source(args.draft, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
-    target, tokenizer = load_target(args.target)
-    draft, fresh = load_draft(target, args.draft)
+
+    def load():
+        target, tokenizer = load_target(args.target)
+        return target, tokenizer, *load_draft(target, args.draft)
+
+    # Replies are decoded in per-reply worker threads; loading on the main thread would leave it a second OpenMP
+    # pool for the whole session and slow every forward of every reply (`dspark_hf._threads`, docs/serving.md)
+    target, tokenizer, draft, fresh = run_in_fresh_thread(load)
     app = build_app(target, tokenizer, draft, fresh=fresh, caps=caps)
     # Gradio's own banner tells Python users to "set share=True in launch()"; a CLI user needs --share instead
     print(
