@@ -33,6 +33,23 @@ def test_monotone_fit_repairs_a_non_monotonic_measurement(measured, fitted):
     assert values == sorted(values)
 
 
+def test_extrapolation_past_the_last_point_never_makes_tokens_free():
+    # a stock SmolLM2 profile whose monotone fit left a flat tail (48 and 64 equal): the old extrapolation used
+    # the last segment's slope, 0, so a forward over 4,096 tokens cost the same as over 64 and the demo's
+    # heavy background load admitted a whole draft (tests/test_demo_browser.py failed with 7 < 7)
+    from dspark_hf.scheduling.policies import hardware_aware_lengths
+
+    seconds = {1: 0.0978, 2: 0.1736, 4: 0.1977, 8: 0.2183, 12: 0.2376, 16: 0.2376, 24: 0.2671, 32: 0.3189, 48: 0.3965}
+    profile = SPSProfile({**seconds, 64: 0.3965})
+    assert profile.time(64) == pytest.approx(0.3965)
+    assert profile.time(4096) == pytest.approx(0.3965 * 4096 / 64)  # proportional: the slope is 0
+    steep = SPSProfile({1: 0.1, 2: 0.3})  # a steeper last segment keeps its slope
+    assert steep.time(4) == pytest.approx(0.7)
+    survival = torch.tensor([[0.663, 0.441, 0.293, 0.194, 0.129, 0.085, 0.057]])
+    assert hardware_aware_lengths(survival, profile.sps, 4096).item() == 0
+    assert hardware_aware_lengths(survival, profile.sps, 8).item() > 0
+
+
 def _tiny():
     return make_target("llama", vocab_size=64, hidden_size=32, num_layers=2, dtype=torch.float32)
 

@@ -63,8 +63,10 @@ class SPSProfile:
         seconds (`dict[int, float]`): forward time in seconds per token count `B` (at least one point).
         meta (`dict`, *optional*): where it was measured (model, device, dtype, context length, date).
 
-    Between measured points the *time* is interpolated linearly; beyond the last point it is extrapolated
-    with the slope of the last two points (at least proportional growth is never assumed away).
+    Between measured points the *time* is interpolated linearly. Beyond the last point it grows with the slope
+    of the last two points, but never slower than in proportion to the tokens (`time(B) >= time(last) * B /
+    last`): a flat measured tail (the monotone fit makes equal neighbours) must not make tokens past the measured
+    range look free, since forwards that large are compute-bound.
     """
 
     seconds: dict[int, float]
@@ -90,8 +92,9 @@ class SPSProfile:
         i = bisect.bisect_left(xs, tokens)
         if i < len(xs) and xs[i] == tokens:
             return ys[i]
-        if i == len(xs):  # extrapolate with the last segment's slope
-            i = len(xs) - 1
+        if i == len(xs):  # past the last point: its segment's slope, at least proportional growth
+            x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]
+            return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), y1 * tokens / x1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
