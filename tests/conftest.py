@@ -4,6 +4,12 @@ The suite gets cache folders of its own, made fresh for each run: a timing profi
 in the user's `~/.cache/dspark_hf` by an earlier run (on a busy machine, say) must neither steer a test nor
 hide a missing install step, and the tests must never write there. The variables are set here, at import,
 before any test module imports `huggingface_hub` (which reads `HF_HOME` once, at import).
+
+The suite runs in two worker processes (pytest-xdist, `-n 2` in `pyproject.toml`). The process that starts
+first (xdist's controller, or a plain `pytest -p no:xdist` run) makes the folder and names it in
+`DSPARK_TESTS_ROOT`; the workers it spawns inherit that and share it, so the converted default model and the
+compiled exact kernels are made once per run (both are written atomically, and torch locks its extension
+builds), and only the process that made the folder removes it.
 """
 
 from __future__ import annotations
@@ -15,9 +21,24 @@ from pathlib import Path
 
 import pytest
 
-#: the user's own cache folder, as it would be without this file (what the suite must not touch)
-USER_CACHE = Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf")).resolve()
-SUITE_CACHE_ROOT = Path(tempfile.mkdtemp(prefix="dspark-tests-"))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_INHERITED_ROOT = os.environ.get("DSPARK_TESTS_ROOT") if _WORKER else None
+#: the user's own cache folder, as it would be without this file (what the suite must not touch); a worker
+#: inherits it from the process that started it, whose DSPARK_HF_CACHE already points into the suite's folder
+USER_CACHE = Path(
+    (_INHERITED_ROOT and os.environ.get("DSPARK_TESTS_USER_CACHE"))
+    or os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf")
+).resolve()
+SUITE_CACHE_ROOT = Path(_INHERITED_ROOT or tempfile.mkdtemp(prefix="dspark-tests-"))
+_OWNS_ROOT = _INHERITED_ROOT is None
+os.environ["DSPARK_TESTS_ROOT"] = str(SUITE_CACHE_ROOT)
+os.environ["DSPARK_TESTS_USER_CACHE"] = str(USER_CACHE)
+if _WORKER:
+    # Two workers on two cores: each runs torch (and the subprocesses it starts) on one thread. Two threads per
+    # worker oversubscribe the cores, and OpenMP threads that spin-wait for a preempted peer made the suite
+    # slower than one process (measured: 29.7 min with two 2-thread workers, 28.2 min in one process). A test
+    # that needs more threads sets them itself (tests/test_serve_threads.py runs 2 in its own subprocesses).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 SUITE_CACHE = SUITE_CACHE_ROOT / "dspark_hf"
 os.environ["DSPARK_HF_CACHE"] = str(SUITE_CACHE)
 os.environ["HF_HOME"] = str(SUITE_CACHE_ROOT / "huggingface")
@@ -45,7 +66,8 @@ def pytest_sessionfinish(session, exitstatus):
         changed = sorted(set(after.items()) ^ set(_USER_CACHE_BEFORE.items()))
         print(f"\nERROR: the test suite touched the user's cache folder {USER_CACHE}: {changed[:5]}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    shutil.rmtree(SUITE_CACHE_ROOT, ignore_errors=True)
+    if _OWNS_ROOT:
+        shutil.rmtree(SUITE_CACHE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

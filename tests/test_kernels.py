@@ -72,6 +72,27 @@ def test_exact_mode_rows_are_bit_identical_to_one_token_steps(arch):
     assert kernels_of(target) == "stock"  # restored after the block
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_exact_mode_is_invariant_to_the_thread_count(threads):
+    # the suite's workers run on one thread (tests/conftest.py); the kernels split columns (linear) and queries
+    # (attention) across threads, so check the split changes nothing: rows stay batch-invariant, and the logits
+    # of a 16-token forward are bit-identical on 1 and on `threads` threads
+    target, old = _target("llama"), torch.get_num_threads()
+    prompt = torch.randint(0, 512, (1, CONTEXT + 16), generator=torch.Generator().manual_seed(1))
+    try:
+        with use_kernels(target, mode="exact"), torch.no_grad():
+            torch.set_num_threads(1)
+            one = target(prompt[:, CONTEXT:], cache=_prefilled(target, prompt[:, :CONTEXT])).logits
+            torch.set_num_threads(threads)
+            assert torch.get_num_threads() == threads
+            many = target(prompt[:, CONTEXT:], cache=_prefilled(target, prompt[:, :CONTEXT])).logits
+            counts = identical_rows(target, ks=(2, 8, 16))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, many)
+    assert counts == {2: 2, 8: 8, 16: 16}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_stock_kernels_fail_the_invariance_check(arch):
     counts = identical_rows(_target(arch))
