@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 import dspark_hf
 from dspark_hf.model import cpu_packing, kernels
-from dspark_hf.model.kernels import exact_linear, kernels_of, use_kernels
+from dspark_hf.model.kernels import exact_linear, is_lean, kernels_of, use_kernels
 
 from helpers import make_aligned_draft, make_target
 
@@ -67,9 +67,28 @@ def test_exact_mode_rows_are_bit_identical_to_one_token_steps(arch):
     target = _target(arch)
     with use_kernels(target, mode="exact"):
         assert kernels_of(target) == "exact"
+        assert all(is_lean(layer) for layer in target.model.layers)  # the lean decoder-layer path is what ran
         counts = identical_rows(target)
     assert counts == {k: k for k in KS}
     assert kernels_of(target) == "stock"  # restored after the block
+    assert not any(is_lean(layer) for layer in target.model.layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_exact_mode_computes_what_the_stock_layers_compute(arch):
+    # batch invariance alone would not catch a wrong formula (a rotation of the wrong half, a norm without its
+    # weight): the exact mode's forward, lean layers included, must agree with transformers' own up to rounding
+    target = _target(arch)
+    gen = torch.Generator().manual_seed(3)
+    prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 8), generator=gen)
+    with torch.no_grad():
+        stock = target(new, cache=_prefilled(target, prompt)).logits
+        with use_kernels(target, mode="exact"):
+            exact = target(new, cache=_prefilled(target, prompt)).logits
+            one = target(new[:, :1], cache=_prefilled(target, prompt)).logits
+    assert not torch.equal(exact, stock)  # really another kernel path
+    torch.testing.assert_close(exact, stock, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(one[0, 0], stock[0, 0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -207,3 +226,22 @@ def test_real_default_model_exact_mode_is_batch_invariant_and_stock_is_not():
     assert counts == {k: k for k in KS}
     stock = identical_rows(target, ks=(2, 8, 16), context=37)
     assert sum(stock.values()) < 13, stock
+
+
+def test_a_wrong_rotation_in_the_lean_layers_is_caught(monkeypatch):
+    # negative control for the test above: rotary embedding by the opposite angle (sin negated) is still batch
+    # invariant, but must not pass as what the stock layers compute
+    real = kernels._backend()
+    if real is None:
+        pytest.skip("the compiled kernels are not available (the lean layer path needs them)")
+
+    class WrongRotation:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def rope(self, x, cos, sin, heads):
+            return real.rope(x, cos, -sin, heads)
+
+    monkeypatch.setattr(kernels, "_BACKEND", WrongRotation())
+    with pytest.raises(AssertionError):
+        test_exact_mode_computes_what_the_stock_layers_compute("llama")

@@ -267,3 +267,82 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   });
   return out;
 }
+
+// The small per-row operations of a decoder layer, so that the exact mode's lean layer path
+// (dspark_hf/model/kernels.py) runs them in one call each instead of several PyTorch operations. Like the
+// kernels above, each output element depends only on its own row and is computed in a fixed order; they run
+// on the calling thread (their work is far below what an OpenMP region's start-up costs).
+
+// RMSNorm over the last dimension: out[m, n] = w[n] * (x[m, n] * (1 / sqrt(sum_n x[m, n]^2 / N + eps))). The sum of
+// squares is the same fixed-order dot product as the linear kernel's.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact rms_norm: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "exact rms_norm: x [M, N], w [N]");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * N;
+    const float* xs[1] = {row};
+    float ss;
+    dot_tile<1, 1>(xs, xs, N, &ss, 1, nullptr);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+    float* o = op + m * N;
+    for (int64_t n = 0; n < N; ++n) o[n] = wp[n] * (row[n] * r);
+  }
+  return out;
+}
+
+// Rotary position embedding of one projection, with the layout change attention needs: x [B, L, H * D] (a linear's
+// output) and cos, sin [B, L, D] give out [B, H, L, D] with out = x * cos + rotate_half(x) * sin, where
+// rotate_half(x) = (-x[D/2:], x[:D/2]) (the Llama/Qwen "rotate half" convention).
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "exact rope: float32 only");
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && sin.dim() == 3, "exact rope: x [B, L, H*D], cos/sin [B, L, D]");
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t B = x.size(0), L = x.size(1), D = cos.size(2), H = heads, half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && x.size(2) == H * D && cos.size(1) == L && sin.sizes() == cos.sizes(),
+              "exact rope: shapes");
+  TORCH_CHECK(cos.size(0) == B || cos.size(0) == 1, "exact rope: cos/sin batch");
+  auto out = torch::empty({B, H, L, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t cb = cos.size(0) == 1 ? 0 : b;
+      const float* c = cp + (cb * L + l) * D;
+      const float* s = sp + (cb * L + l) * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* xi = xp + ((b * L + l) * H + h) * D;
+        float* o = op + ((b * H + h) * L + l) * D;
+        for (int64_t d = 0; d < half; ++d) o[d] = xi[d] * c[d] + (-xi[d + half]) * s[d];
+        for (int64_t d = half; d < D; ++d) o[d] = xi[d] * c[d] + xi[d - half] * s[d];
+      }
+    }
+  return out;
+}
+
+// SwiGLU's gate: out = silu(g) * u with silu(g) = g / (1 + exp(-g)), element by element.
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+  TORCH_CHECK(g.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat, "exact silu_mul: float32 only");
+  TORCH_CHECK(g.sizes() == u.sizes(), "exact silu_mul: g and u of one shape");
+  g = g.contiguous();
+  u = u.contiguous();
+  auto out = torch::empty_like(g);
+  const float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t n = g.numel();
+  for (int64_t i = 0; i < n; ++i) op[i] = (gp[i] / (1.0f + std::exp(-gp[i]))) * up[i];
+  return out;
+}

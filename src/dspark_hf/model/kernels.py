@@ -146,7 +146,7 @@ def _build():
     return cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
-        functions=["linear", "attention"],
+        functions=["linear", "attention", "rms_norm", "rope", "silu_mul"],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -306,6 +306,116 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks (or None: plain causal)
 
 
+# ---------------------------------------------------------------------------------------------- decoder layers
+#: Decoder layers the exact mode runs through [`_lean_layer_forward`]: transformers' Llama-family layers whose
+#: forward is pre-norm attention + SwiGLU MLP with RMSNorm (Qwen3 adds a per-head RMSNorm on queries and keys).
+LEAN_LAYERS = {
+    "LlamaDecoderLayer": "LlamaAttention",
+    "Qwen2DecoderLayer": "Qwen2Attention",
+    "Qwen3DecoderLayer": "Qwen3Attention",
+}
+_LEAN_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def _plain(module: nn.Module) -> bool:
+    """No hooks and no replaced forward (ours excepted): calling its kernels directly skips nothing."""
+    return (
+        not module._forward_hooks
+        and not module._forward_pre_hooks
+        and ("forward" not in module.__dict__ or is_exact(module))
+    )
+
+
+def _lean_eligible(layer: nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer).__name__ not in LEAN_LAYERS or "forward" in layer.__dict__ or attn is None or mlp is None:
+        return False
+    if type(attn).__name__ != LEAN_LAYERS[type(layer).__name__] or getattr(attn, "sliding_window", None) is not None:
+        return False
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (
+        getattr(attn.config, "hidden_act", None) == "silu"
+        and all(type(n).__name__ in _LEAN_NORMS and hasattr(n, "variance_epsilon") for n in norms)
+        and all((_eligible(lin) or is_exact(lin)) and lin.weight.dtype == torch.float32 for lin in linears)
+        and all(_plain(m) for m in [attn, mlp, *norms, *linears])
+    )
+
+
+def _lean_layer_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """A Llama-family decoder layer in the exact mode, as one short sequence of exact-kernel calls.
+
+    The same arithmetic as transformers' layer (pre-norm attention with rotary embeddings, then the SwiGLU MLP,
+    residuals around both) with every per-row operation on the compiled kernels: RMSNorm, the seven linears,
+    rotary embedding, attention over the cache and the SiLU gate. Each row is computed exactly as it would be
+    alone, like the rest of the exact mode, and skipping ~40 small PyTorch operations and eight module calls
+    per layer is most of what a one-token forward of a small model spends outside its matrix products.
+    Forwards it does not cover (a prefill over more than `EXACT_MAX_ROWS` rows, gradients, other dtypes) run
+    the layer's own forward.
+    """
+    attn, mlp = self.self_attn, self.mlp
+    batch, length, width = hidden_states.shape
+    backend = _backend()
+    if (
+        backend is None
+        or batch * length > EXACT_MAX_ROWS
+        or hidden_states.dtype != torch.float32
+        or hidden_states.device.type != "cpu"
+        or position_embeddings is None
+        or attn.config._attn_implementation != EXACT_ATTENTION
+        or (torch.is_grad_enabled() and (hidden_states.requires_grad or attn.q_proj.weight.requires_grad))
+    ):
+        return type(self).forward(
+            self,
+            hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+    dim = attn.head_dim
+    x = hidden_states.reshape(batch * length, width)
+    h = backend.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
+    q = backend.linear(h, attn.q_proj.weight, attn.q_proj.bias)
+    k = backend.linear(h, attn.k_proj.weight, attn.k_proj.bias)
+    v = backend.linear(h, attn.v_proj.weight, attn.v_proj.bias)
+    q_heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's vector before the rotation
+        q = backend.rms_norm(q.reshape(-1, dim), attn.q_norm.weight, attn.q_norm.variance_epsilon)
+        k = backend.rms_norm(k.reshape(-1, dim), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+    cos, sin = position_embeddings
+    q = backend.rope(q.reshape(batch, length, q_heads * dim), cos, sin, q_heads)  # [B, Hq, L, D]
+    k = backend.rope(k.reshape(batch, length, kv_heads * dim), cos, sin, kv_heads)  # [B, Hkv, L, D]
+    v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+    out, _ = exact_attention_forward(attn, q, k, v, attention_mask, scaling=attn.scaling, **kwargs)
+    x = x + backend.linear(out.reshape(batch * length, q_heads * dim), attn.o_proj.weight, attn.o_proj.bias)
+    h = backend.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon)
+    gated = backend.silu_mul(
+        backend.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias), backend.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    )
+    x = x + backend.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+    return x.view(batch, length, width)
+
+
+def is_lean(layer: nn.Module) -> bool:
+    """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`])."""
+    return getattr(layer.__dict__.get("forward"), "__func__", None) is _lean_layer_forward
+
+
 # ---------------------------------------------------------------------------------------------- modes
 @contextlib.contextmanager
 def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
@@ -336,14 +446,22 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
             ):
                 model.set_attn_implementation(EXACT_ATTENTION)
                 attn.append((model, current))
+            lean = (
+                [m for m in model.modules() if _lean_eligible(m)]
+                if _backend() is not None and getattr(config, "_attn_implementation", None) == EXACT_ATTENTION
+                else []
+            )
             for module in model.modules():
                 if _eligible(module):
                     module.forward = types.MethodType(_exact_forward, module)
                     changed.append(module)
+            for layer in lean:
+                layer.forward = types.MethodType(_lean_layer_forward, layer)
+                changed.append(layer)
         yield
     finally:
         for module in changed:
-            if is_exact(module):
+            if is_exact(module) or is_lean(module):
                 del module.forward
         for model, previous in reversed(attn):
             model.set_attn_implementation(previous)
