@@ -245,3 +245,18 @@ def test_a_wrong_rotation_in_the_lean_layers_is_caught(monkeypatch):
     monkeypatch.setattr(kernels, "_BACKEND", WrongRotation())
     with pytest.raises(AssertionError):
         test_exact_mode_computes_what_the_stock_layers_compute("llama")
+
+
+def test_lean_layers_survive_transformers_output_capturing_hooks():
+    # a speculative call asks the target for hidden states once, and transformers then keeps its capturing hooks
+    # on every decoder layer and attention module for good; the lean path must still run (it fell back to the
+    # transformers layers after the first speculative call: plain exact decoding 19.5 -> 14 tokens/s)
+    target = _target("llama")
+    with torch.no_grad():
+        target(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert target.model.layers[0].self_attn._forward_hooks  # the hooks are there
+    with use_kernels(target, mode="exact"):
+        assert all(is_lean(layer) for layer in target.model.layers)
+        with torch.no_grad():
+            out = target(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert len(out.hidden_states) == target.config.num_hidden_layers + 1  # still captured through the layers

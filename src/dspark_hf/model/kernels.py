@@ -317,10 +317,18 @@ LEAN_LAYERS = {
 _LEAN_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
-def _plain(module: nn.Module) -> bool:
+def _output_capturing(hook) -> bool:
+    """transformers' own output-capturing hook (installed for good on the first `output_hidden_states=True` or
+    `output_attentions=True` call): on an attention module it only records attention weights, which the exact
+    attention never returns, so bypassing that module's call loses nothing."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def _plain(module: nn.Module, capturing_ok: bool = False) -> bool:
     """No hooks and no replaced forward (ours excepted): calling its kernels directly skips nothing."""
+    hooks = list(module._forward_hooks.values())
     return (
-        not module._forward_hooks
+        all(capturing_ok and _output_capturing(h) for h in hooks)
         and not module._forward_pre_hooks
         and ("forward" not in module.__dict__ or is_exact(module))
     )
@@ -339,7 +347,8 @@ def _lean_eligible(layer: nn.Module) -> bool:
         getattr(attn.config, "hidden_act", None) == "silu"
         and all(type(n).__name__ in _LEAN_NORMS and hasattr(n, "variance_epsilon") for n in norms)
         and all((_eligible(lin) or is_exact(lin)) and lin.weight.dtype == torch.float32 for lin in linears)
-        and all(_plain(m) for m in [attn, mlp, *norms, *linears])
+        and _plain(attn, capturing_ok=True)
+        and all(_plain(m) for m in [mlp, *norms, *linears])
     )
 
 
