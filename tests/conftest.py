@@ -6,7 +6,7 @@ hide a missing install step, and the tests must never write there. The variables
 before any test module imports `huggingface_hub` (which reads `HF_HOME` once, at import).
 
 The suite runs in two worker processes (pytest-xdist, `-n 2` in `pyproject.toml`). The process that starts
-first (xdist's controller, or a plain `pytest -p no:xdist` run) makes the folder and names it in
+first (xdist's controller, or a plain `pytest -n 0` run) makes the folder and names it in
 `DSPARK_TESTS_ROOT`; the workers it spawns inherit that and share it, so the converted default model and the
 compiled exact kernels are made once per run (both are written atomically, and torch locks its extension
 builds), and only the process that made the folder removes it.

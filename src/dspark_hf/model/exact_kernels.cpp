@@ -8,11 +8,14 @@
 //  * linear: out[m, n] = dot(x[m], w[n]) (+ bias[n]). The dot product runs over K in chunks of 8 floats into
 //    one 8-lane accumulator (fused multiply-add per lane), a zero-padded last chunk, then a fixed horizontal
 //    sum of the 8 lanes. Rows and columns are tiled (up to 4 x 3) so each weight chunk is loaded once for
-//    several rows, but every (m, n) pair keeps its own accumulator: tiling changes speed, not results.
+//    several rows, but every (m, n) pair keeps its own accumulator: tiling changes speed, not results. The
+//    weights a few tiles ahead are prefetched into the cache (PREFETCH_TILES; a hint only, no arithmetic).
 //  * attention: per (batch, head, query) the scores of the visible keys (same dot product), their maximum,
 //    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
 //    the weighted sum of values accumulated key by key in ascending order. Keys a query may not see are
 //    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more.
+//
+//  * rms_norm, rope, silu_mul: the per-row steps of a decoder layer, for the exact mode's lean layer path.
 //
 // Compiled with -ffp-contract=off so that the compiler never fuses or reorders anything behind our back.
 

@@ -414,7 +414,8 @@ def _lean_layer_forward(
     x = x + backend.linear(out.reshape(batch * length, q_heads * dim), attn.o_proj.weight, attn.o_proj.bias)
     h = backend.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon)
     gated = backend.silu_mul(
-        backend.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias), backend.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        backend.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias),
+        backend.linear(h, mlp.up_proj.weight, mlp.up_proj.bias),
     )
     x = x + backend.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
     return x.view(batch, length, width)

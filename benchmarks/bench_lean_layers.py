@@ -1,0 +1,93 @@
+"""The exact mode's lean decoder layers against the same exact kernels called through transformers' layers.
+
+On the real default target (SmolLM2-135M-Instruct, fp32, offline), one forward over 1, 4 and 8 new tokens on a
+KV cache of a chat prompt: the exact mode with its lean decoder-layer path (`dspark_hf.model.kernels`, the
+default) and the exact mode with the lean path switched off (transformers' own layer, attention and MLP
+modules, whose linears and attention still run on the exact kernels), then stock kernels for reference. The
+configurations and row counts are interleaved in every repeat; each figure is the median over repeats of the
+median forward time within a repeat. (Batch invariance and agreement with the stock layers
+are checked by tests/test_kernels.py, not here.)
+
+    python benchmarks/bench_lean_layers.py --repeats 3 --threads 2 --out benchmarks/results/lean_layers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from dspark_hf.default_model import chat_inputs, load_default_target
+from dspark_hf.model import kernels
+
+PROMPT = "Why is the sky blue? Explain in detail with physics."
+ROWS = (1, 4, 8)
+CONFIGS = ("exact (lean layers)", "exact (transformers layers)", "stock")
+
+
+def forward_ms(target, ids, rows: int, config: str, steps: int) -> float:
+    real = kernels._lean_eligible
+    if config == "exact (transformers layers)":
+        kernels._lean_eligible = lambda module: False
+    mode = "stock" if config == "stock" else "exact"
+    try:
+        with torch.inference_mode(), kernels.use_kernels(target, mode=mode):
+            lean = any(kernels.is_lean(layer) for layer in target.model.layers)
+            assert lean == (config == "exact (lean layers)"), (config, lean)
+            cache = DynamicCache(config=target.config)
+            out = target(input_ids=ids, cache=cache, use_cache=True)
+            new = out.logits[:, -1:].argmax(-1).repeat(1, rows)
+            times = []
+            for i in range(steps + 2):
+                start = time.perf_counter()
+                target(input_ids=new, cache=cache, use_cache=True)
+                elapsed = time.perf_counter() - start
+                cache.crop(-rows)
+                if i >= 2:  # two warm-up forwards
+                    times.append(elapsed)
+    finally:
+        kernels._lean_eligible = real
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="timed forwards per configuration and repeat")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_default_target()
+    ids = chat_inputs(tokenizer, PROMPT)["input_ids"]
+    runs: dict[str, dict[int, list[float]]] = {c: {r: [] for r in ROWS} for c in CONFIGS}
+    for _ in range(args.repeats):
+        for rows in ROWS:
+            for config in CONFIGS:
+                runs[config][rows].append(forward_ms(target, ids, rows, config, args.steps))
+    table = {c: {r: statistics.median(v) for r, v in per.items()} for c, per in runs.items()}
+    print(f"{'rows':>4}  " + "  ".join(f"{c:>28}" for c in CONFIGS) + "  lean speedup")
+    for rows in ROWS:
+        cells = "  ".join(f"{table[c][rows]:>25.1f} ms" for c in CONFIGS)
+        ratio = table["exact (transformers layers)"][rows] / table["exact (lean layers)"][rows]
+        print(f"{rows:>4}  {cells}  {ratio:.2f}x")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "command": "python benchmarks/bench_lean_layers.py",
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "steps": args.steps,
+            "prompt": PROMPT,
+            "torch": torch.__version__,
+        }
+        args.out.write_text(json.dumps({"meta": meta, "median_ms": table, "runs_ms": runs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
