@@ -21,7 +21,15 @@ from .decoding.stats import GenerationStats, RoundStats
 from .model.configuration import DSparkConfig, default_target_layer_ids
 from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
 from .model.formats import export_deepspec
-from .model.kernels import KERNEL_MODES, build_exact_kernels, exact_kernels, kernels_of, set_kernels, use_kernels
+from .model.kernels import (
+    KERNEL_MODES,
+    build_exact_kernels,
+    exact_kernels,
+    kernels_of,
+    recommended_kernels,
+    set_kernels,
+    use_kernels,
+)
 from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
 from .model.speculators_format import export_speculators
 from .scheduling.policies import (
@@ -74,6 +82,7 @@ __all__ = [
     "resolve_policy",
     "run_in_fresh_thread",
     "set_cpu_packing",
+    "recommended_kernels",
     "set_kernels",
     "unpack_linear_weights",
     "use_kernels",

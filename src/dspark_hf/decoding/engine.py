@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -47,7 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.cpu_packing import cpu_packing_enabled, packed_linears
+from ..model.cpu_packing import cpu_packing_enabled
+from ..model.kernels import KERNEL_MODES, explicit_kernels, use_kernels
 from ..scheduling.policies import ScheduleContext, resolve_policy
 from . import draft_graphs
 from .caches import SlotKV, SlotRow
@@ -229,8 +231,17 @@ class DSparkEngine:
             `dspark_hf.decoding.engine_batch` and `docs/engine.md` for which is faster where).
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
-        cpu_packing (`bool`, *optional*): run the target's and draft's CPU linears on packed weights (see
-            `dspark_hf.model.cpu_packing`), with or without speculation. Defaults to [`cpu_packing_enabled`].
+        kernels (`str`, *optional*): the CPU kernel mode of the target's (and draft's) forwards, with or
+            without speculation (see `dspark_hf.model.kernels`): `"stock"`, `"packed"` or `"exact"`. In
+            `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
+            so a request's greedy output is token-identical *by construction* to plain `generate()` on the
+            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` tokens (a longer
+            prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at different
+            shapes); the rounds run the padded layout. Defaults to the mode set with [`set_kernels`] or
+            `DSPARK_KERNELS`, else `"packed"` when `cpu_packing` is on, else `"stock"`. The models are switched
+            while the engine has work and switched back when it is idle.
+        cpu_packing (`bool`, *optional*): the older spelling of `kernels="packed"`. Defaults to
+            [`cpu_packing_enabled`].
         cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
             it eagerly); `None` (the default) turns it on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
@@ -249,6 +260,7 @@ class DSparkEngine:
         sps=None,
         cpu_packing: bool | None = None,
         cuda_graphs: bool | None = None,
+        kernels: str | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -265,7 +277,22 @@ class DSparkEngine:
         self.draft = draft if self.speculate else None
         self.gamma = draft.config.block_size if self.speculate else 0
         self.policy, self.schedule_context = None, ScheduleContext()
-        self.cpu_packing = cpu_packing_enabled() if cpu_packing is None else cpu_packing
+        if kernels is None:
+            packing = cpu_packing_enabled() if cpu_packing is None else cpu_packing
+            kernels = explicit_kernels() or ("packed" if packing else "stock")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}.")
+        if kernels == "exact" and layout == "packed":
+            raise ValueError(
+                "layout='packed' puts every row in one sequence, which the exact kernels treat as one long "
+                "sequence (a prefill, on stock kernels) once it passes EXACT_MAX_ROWS tokens; use layout='padded' "
+                "or 'auto' (the exact mode runs padded)."
+            )
+        self.kernels = kernels
+        self.cpu_packing = kernels == "packed"
+        if kernels == "exact":
+            self.layout = "padded"  # one row per request: each request's tokens are its own sequence
+        self._kernel_scope: contextlib.ExitStack | None = None  # the kernel mode, held while there is work
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
@@ -276,7 +303,7 @@ class DSparkEngine:
                 if sps is None:
                     from ..scheduling.sps import get_sps_profile
 
-                    with packed_linears(target, enabled=self.cpu_packing):  # measured as it will run
+                    with use_kernels(target, mode=self.kernels):  # measured on the kernels it will run
                         sps = get_sps_profile(target)
                 self.schedule_context.sps = sps.sps
             self.temperatures = torch.tensor(
@@ -346,6 +373,16 @@ class DSparkEngine:
         self._buffered = [e for e in self._buffered if e.request_id != request_id]
         return len(self._failed) + len(self._buffered) < pending
 
+    def release_kernels(self) -> None:
+        """Switch the models back from the engine's kernel mode now (the next round with work switches them again).
+
+        The engine does this itself whenever a round leaves it idle; call it after abandoning an engine that still
+        holds requests, so that the target's other users get their own kernels back.
+        """
+        scope, self._kernel_scope = self._kernel_scope, None
+        if scope is not None:
+            scope.close()
+
     def has_unfinished(self) -> bool:
         """`bool`: whether any request is queued, active or has an undelivered result."""
         return bool(self._queue or self._active or self._failed or self._buffered)
@@ -368,12 +405,17 @@ class DSparkEngine:
         self._compact()
         decoding = list(self._active)  # slots 0..R-1, in order
         admitted = self._admit()
-        with packed_linears(self.target, self.draft, enabled=self.cpu_packing):
-            if decoding:
-                self._decode_round(decoding, events)
-            if admitted:
-                self._prefill(admitted, events)
+        if (decoding or admitted) and self._kernel_scope is None and self.kernels != "stock":
+            # switching a model's kernels walks its modules (milliseconds): done once per busy period, not per round
+            self._kernel_scope = contextlib.ExitStack()
+            self._kernel_scope.enter_context(use_kernels(self.target, self.draft, mode=self.kernels))
+        if decoding:
+            self._decode_round(decoding, events)
+        if admitted:
+            self._prefill(admitted, events)
         self._compact()  # finished requests' slots (and, when idle, the buffers) are given back now
+        if not self._active and not self._queue:
+            self.release_kernels()
         m = self.metrics
         m.busy_seconds += time.perf_counter() - start
         kv_bytes = self._kv.nbytes + (self._dkv.nbytes if self._dkv is not None else 0)

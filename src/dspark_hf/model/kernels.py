@@ -49,9 +49,11 @@ KERNEL_MODES = ("stock", "packed", "exact")
 #: The attention implementation name registered with transformers' `AttentionInterface` for the exact mode.
 EXACT_ATTENTION = "dspark_exact"
 
-#: Forwards over more rows than this (a prompt's prefill) run on the stock kernels in the exact mode. A
-#: prefill is the same call in plain and in speculative decoding, so it needs no batch invariance; the
-#: decoding and verification forwards (1 to 64 rows) all run on the exact kernels.
+#: Forwards whose sequences are longer than this many tokens (a prompt's prefill) run on the stock kernels in
+#: the exact mode. A prefill is the same call in plain and in speculative decoding, so it needs no batch
+#: invariance; the decoding and verification forwards (1 to 1 + block size tokens per sequence, any number of
+#: sequences in the batch) all run on the exact kernels. The limit is per sequence, not per forward: a batch
+#: of 32 sequences verifying 4 tokens each is 128 rows, all exact.
 EXACT_MAX_ROWS = 64
 
 _MODE: str | None = None  # set_kernels(); None: environment / legacy packing flag / "stock"
@@ -98,6 +100,19 @@ def default_kernels() -> str:
     if mode is not None:
         return mode
     return "packed" if cpu_packing_enabled() else "stock"
+
+
+def recommended_kernels(model: nn.Module) -> str:
+    """The mode the command-line tools and the server run `model` on when told none: the mode set with
+    [`set_kernels`] or `DSPARK_KERNELS` if any, else `"exact"` for float32 weights on the CPU (batch-invariant
+    and, on the CPUs measured, faster than stock at every batch size decoding uses), else `"stock"` (the exact
+    kernels are CPU float32 kernels; other dtypes would run their slow per-row fallback)."""
+    mode = explicit_kernels()
+    if mode is not None:
+        return mode
+    weight = next((p for p in model.parameters() if p.dim() == 2), None)
+    on_cpu_fp32 = weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    return "exact" if on_cpu_fp32 else "stock"
 
 
 def kernels_of(model: nn.Module) -> str:
@@ -219,12 +234,17 @@ def _eligible(module: nn.Module) -> bool:
     )
 
 
+def _sequence_length(x: torch.Tensor) -> int:
+    """Tokens per sequence of a linear layer's input: `[..., L, K]` (a 2-D `[M, K]` input counts as one sequence)."""
+    return x.shape[-2] if x.dim() >= 2 else 1
+
+
 def _exact_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (
         x.device.type != "cpu"
         or x.dtype != self.weight.dtype
         or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-        or x.numel() > EXACT_MAX_ROWS * x.shape[-1]
+        or _sequence_length(x) > EXACT_MAX_ROWS
     ):
         return nn.Linear.forward(self, x)
     return exact_linear(x, self.weight, self.bias)
@@ -369,15 +389,15 @@ def _lean_layer_forward(
     rotary embedding, attention over the cache and the SiLU gate. Each row is computed exactly as it would be
     alone, like the rest of the exact mode, and skipping ~40 small PyTorch operations and eight module calls
     per layer is most of what a one-token forward of a small model spends outside its matrix products.
-    Forwards it does not cover (a prefill over more than `EXACT_MAX_ROWS` rows, gradients, other dtypes) run
-    the layer's own forward.
+    Forwards it does not cover (a prefill of sequences longer than `EXACT_MAX_ROWS` tokens, gradients, other
+    dtypes) run the layer's own forward.
     """
     attn, mlp = self.self_attn, self.mlp
     batch, length, width = hidden_states.shape
     backend = _backend()
     if (
         backend is None
-        or batch * length > EXACT_MAX_ROWS
+        or length > EXACT_MAX_ROWS
         or hidden_states.dtype != torch.float32
         or hidden_states.device.type != "cpu"
         or position_embeddings is None
