@@ -561,8 +561,15 @@ def test_real_default_pair_greedy_chat_equals_generate(tmp_path):
         srv.wait_ready()
         text, max_new = "Write a haiku about the sea.", 24
         inputs = chat_inputs(tokenizer, text)
-        ref = target.generate(**inputs, assistant_model=draft, max_new_tokens=max_new, do_sample=False)
+        # a float32 target on the CPU is served on the exact kernels by default: token-identical by construction to
+        # generate() on the same kernels (and, empirically, to stock generate(), checked too)
+        assert httpx.get(srv.url + "/ready", timeout=30).json()["kernels"] == "exact"
+        ref = target.generate(
+            **inputs, assistant_model=draft, max_new_tokens=max_new, do_sample=False, dspark_kernels="exact"
+        )
         ref = ref[0, inputs["input_ids"].shape[1] :].tolist()
+        stock = target.generate(**inputs, assistant_model=draft, max_new_tokens=max_new, do_sample=False)
+        assert stock[0, inputs["input_ids"].shape[1] :].tolist() == ref
         models = httpx.get(srv.url + "/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         body = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": max_new}

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("stock", "packed", "exact"),
         help="kernels the speculative run and its same-kernel plain baseline use: exact (batch-invariant: "
         "speculative greedy output equals plain decoding on them by construction), packed or stock "
-        "(default: exact on a CPU, stock elsewhere; see docs/cpu-packing.md)",
+        "(default: exact for float32 on a CPU, stock elsewhere; see docs/cpu-packing.md)",
     )
     parser.add_argument(
         "--refresh-sps",
@@ -115,7 +115,9 @@ def main(args: argparse.Namespace) -> int:
         # transformers does not warn that they are ignored.
         config.temperature, config.top_p, config.top_k = args.temperature, 1.0, 0
 
-    mode = args.kernels or ("exact" if target.device.type == "cpu" else "stock")
+    from dspark_hf.model.kernels import recommended_kernels
+
+    mode = args.kernels or recommended_kernels(target)
     if args.refresh_sps and policy.needs_sps:
         from dspark_hf.model.kernels import use_kernels
 

@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="verification policy, e.g. hardware_aware, fixed:3; 'none' serves without speculation "
         "(default: hardware_aware for a calibrated draft, else fixed)",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=("stock", "packed", "exact"),
+        default=_env("KERNELS"),
+        help="CPU kernels of every forward, with or without speculation: exact (batch-invariant, the default for "
+        "a float32 target on the CPU), stock (PyTorch's own; the default elsewhere) or packed",
+    )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     parser.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", 8, int))
@@ -100,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     app = load_app(
         args.target, args.draft, policy=args.policy, max_batch_size=args.max_batch_size, dtype=args.dtype,
-        device=args.device, config=config,
+        device=args.device, config=config, kernels=args.kernels,
     )  # fmt: skip
     run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -78,6 +78,7 @@ class ServerState:
         # the worker decodes with engine.tokenizer; the handlers encode with their own copy (no shared state)
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.capacity = engine.max_batch_size + config.max_queue
+        self.kernels = getattr(engine, "kernels", "stock")
         self.in_flight = 0
         self.draining = False
         self.worker: EngineWorker | None = None
@@ -375,6 +376,7 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
     async def ready():
         body = {"ready": state.ready, "draining": state.draining, "in_flight": state.in_flight}
         body["capacity"] = state.capacity
+        body["kernels"] = state.kernels  # which forwards' outputs this server's are identical to
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
     @app.get("/metrics")

@@ -9,6 +9,7 @@ import threading
 
 from .._threads import run_in_fresh_thread
 from ..decoding.engine import DSparkEngine
+from ..model.kernels import recommended_kernels
 from .app import ServeConfig, create_app
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ def load_app(
     dtype=None,
     device=None,
     config: ServeConfig | None = None,
+    kernels: str | None = None,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -35,6 +37,9 @@ def load_app(
         dtype (`str` or `torch.dtype`, *optional*): weights' dtype (default fp32).
         device (`str`, *optional*): e.g. `"cuda"` (default: the CPU).
         config ([`ServeConfig`], *optional*): limits and identity; `model_name` defaults to the target's name.
+        kernels (`str`, *optional*): the engine's kernel mode (`"stock"`, `"packed"`, `"exact"`, see
+            `dspark_hf.model.kernels`), with or without speculation. Defaults to
+            [`recommended_kernels`]: `"exact"` for a float32 target on the CPU, else `"stock"`.
 
     Returns:
         `fastapi.FastAPI`
@@ -50,7 +55,10 @@ def load_app(
                 logger.warning(
                     "serving with a fresh, untrained draft: output is exact, but nearly every draft is rejected"
                 )
-        return DSparkEngine(target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size)
+        mode = kernels or recommended_kernels(target_model)
+        return DSparkEngine(
+            target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size, kernels=mode
+        )
 
     # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
     # leave this thread an OpenMP pool next to the engine worker's, which slows every round (see `_threads`).
@@ -58,7 +66,9 @@ def load_app(
     config = config or ServeConfig()
     if config.model_name == ServeConfig.model_name:
         config.model_name = target or DEFAULT_TARGET_HUB_ID
-    logger.info("engine ready: policy %s, max_batch_size %d", engine.policy, max_batch_size)
+    logger.info(
+        "engine ready: policy %s, kernels %s, max_batch_size %d", engine.policy, engine.kernels, max_batch_size
+    )
     return create_app(engine, config)
 
 
