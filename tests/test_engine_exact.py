@@ -32,7 +32,7 @@ def _target(arch: str):
 
 def _workload(n: int = 7, seed: int = 5):
     gen = torch.Generator().manual_seed(seed)
-    lengths = [3, 40, 9, 64, 17, 5, 28][:n]
+    lengths = [3, 40, 9, 150, 17, 5, 28][:n]  # 150: a prefill over 64 tokens, still on the exact kernels
     news = [14, 9, 20, 6, 17, 11, 13][:n]
     return [(torch.randint(0, VOCAB, (length,), generator=gen).tolist(), m) for length, m in zip(lengths, news)]
 

@@ -145,16 +145,17 @@ def test_pytorch_fallback_is_batch_invariant(monkeypatch):
     assert counts == {2: 2, 5: 5, 16: 16}
 
 
+@pytest.mark.parametrize("rows", [16, 150])  # 150: several of the kernel's row blocks (a prefill's shape)
 @pytest.mark.parametrize("shape", [(576, 1536), (100, 37), (7, 5), (1536, 1)])
-def test_exact_linear_rows_match_one_row_calls_and_the_product(shape):
+def test_exact_linear_rows_match_one_row_calls_and_the_product(shape, rows):
     k_in, n_out = shape
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(n_out, k_in), torch.randn(n_out), torch.randn(16, k_in)
+    weight, bias, x = torch.randn(n_out, k_in), torch.randn(n_out), torch.randn(rows, k_in)
     full = exact_linear(x, weight, bias)
-    assert all(torch.equal(exact_linear(x[i : i + 1], weight, bias)[0], full[i]) for i in range(16))
+    assert all(torch.equal(exact_linear(x[i : i + 1], weight, bias)[0], full[i]) for i in range(rows))
     torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4 * k_in**0.5)
     # leading dims are kept
-    assert exact_linear(x.reshape(2, 8, k_in), weight).shape == (2, 8, n_out)
+    assert exact_linear(x[:16].reshape(2, 8, k_in), weight).shape == (2, 8, n_out)
 
 
 def test_exact_attention_matches_sdpa_and_respects_a_padding_mask():

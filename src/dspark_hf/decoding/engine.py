@@ -235,9 +235,9 @@ class DSparkEngine:
             without speculation (see `dspark_hf.model.kernels`): `"stock"`, `"packed"` or `"exact"`. In
             `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
-            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` tokens (a longer
-            prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at different
-            shapes); the rounds run the padded layout. Defaults to the mode set with [`set_kernels`] or
+            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (1024) tokens (a
+            longer prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at
+            different shapes); the rounds run the padded layout. Defaults to the mode set with [`set_kernels`] or
             `DSPARK_KERNELS`, else `"packed"` when `cpu_packing` is on, else `"stock"`. The models are switched
             while the engine has work and switched back when it is idle.
         cpu_packing (`bool`, *optional*): the older spelling of `kernels="packed"`. Defaults to

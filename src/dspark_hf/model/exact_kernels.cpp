@@ -152,25 +152,37 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 #define PREFETCH_TILES 4
 #endif
   const int64_t tiles = (N + CT - 1) / CT;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * CT;
-      const int64_t cols = std::min<int64_t>(CT, N - n);
-      const float* b_n = bp ? bp + n : nullptr;
-      // the weights PREFETCH_TILES tiles on, within this thread's range (the range is contiguous in memory)
-      const float* ahead = (PREFETCH_TILES > 0 && t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
-      if (cols == 3) {
-        const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
-        rows_tile<3>(xp, M, ws, K, op + n, N, b_n, ahead);
-      } else if (cols == 2) {
-        const float* ws[2] = {wp + n * K, wp + (n + 1) * K};
-        rows_tile<2>(xp, M, ws, K, op + n, N, b_n, ahead);
-      } else {
-        const float* ws[1] = {wp + n * K};
-        rows_tile<1>(xp, M, ws, K, op + n, N, b_n, ahead);
+  // Rows go in blocks of about 128 KB of input, so that a block stays in the core's L2 cache while every column
+  // tile passes over it (without blocks, a prefill of many rows streamed its whole input from memory once per
+  // column tile). Each (row, column) is still one full-K dot product with its own accumulator: the blocking
+  // changes which products run when, never how one is computed. Decoding and verification (a few rows) fit one
+  // block.
+  const int64_t block_rows = std::max<int64_t>(4, (131072 / (K * 4)) / 4 * 4);
+  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+    const int64_t rows = std::min<int64_t>(block_rows, M - m0);
+    const float* xb = xp + m0 * K;
+    float* ob = op + m0 * N;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t * CT;
+        const int64_t cols = std::min<int64_t>(CT, N - n);
+        const float* b_n = bp ? bp + n : nullptr;
+        // the weights PREFETCH_TILES tiles on, within this thread's range (the range is contiguous in memory)
+        const float* ahead =
+            (PREFETCH_TILES > 0 && t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
+        if (cols == 3) {
+          const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
+          rows_tile<3>(xb, rows, ws, K, ob + n, N, b_n, ahead);
+        } else if (cols == 2) {
+          const float* ws[2] = {wp + n * K, wp + (n + 1) * K};
+          rows_tile<2>(xb, rows, ws, K, ob + n, N, b_n, ahead);
+        } else {
+          const float* ws[1] = {wp + n * K};
+          rows_tile<1>(xb, rows, ws, K, ob + n, N, b_n, ahead);
+        }
       }
-    }
-  });
+    });
+  }
   return out;
 }
 
