@@ -23,6 +23,7 @@ from dspark_hf.evaluation.eval_metrics import (
 )
 from dspark_hf.evaluation.harness import (
     PLAIN,
+    PLAIN_EXACT,
     PLAIN_PACKED,
     PROMPT_LOOKUP,
     EvalReport,
@@ -451,3 +452,42 @@ def test_cli_eval_help(capsys):
         cli_main(["eval", "--help"])
     assert exit_info.value.code == 0
     assert "--no-prompt-lookup" in capsys.readouterr().out
+
+
+def test_evaluate_drafts_on_the_exact_kernels_times_both_plain_baselines(monkeypatch):
+    """`kernels="exact"`: the speculative and prompt-lookup runs use the exact kernels, plain generate() is timed
+    on stock and on exact kernels, speedups are reported over both, and greedy identity is checked against both
+    (against the same kernels it holds by construction)."""
+    pytest.importorskip("evaluate")
+    from dspark_hf.model import kernels as kernel_modes
+
+    target = make_chat_target(dtype=torch.float32)
+    tok, draft = make_char_tokenizer(), make_aligned_draft(target, block_size=4)
+    seen = []  # the kernel mode each generate() call ran on
+    real = kernel_modes.use_kernels
+
+    def spy(*models, mode):
+        seen.append(mode)
+        return real(*models, mode=mode)
+
+    monkeypatch.setattr("dspark_hf.decoding.generation.use_kernels", spy)
+    prompts = {"mine": [PromptItem("mine", "p0", "count to three"), PromptItem("mine", "p1", "say hello")]}
+    report = evaluate_drafts(
+        target, tok, {"d": draft}, prompts=prompts, max_new_tokens=10, temperatures=(0.0,), task_metrics=False,
+        packed_baseline=False, progress=False, kernels="exact",
+    )  # fmt: skip
+    assert report.config["kernels"] == "exact"
+    assert set(report.methods) == {PLAIN, PLAIN_EXACT, "d", PROMPT_LOOKUP}
+    assert {"stock", "exact"} <= set(seen) and "packed" not in seen
+    cell = report.summary()["mine"]["0"]
+    assert cell[PLAIN_EXACT]["speedup_vs_exact"] == pytest.approx(1.0)
+    assert cell["d"]["speedup_vs_exact"] == pytest.approx(cell["d"]["tokens_per_s"] / cell[PLAIN_EXACT]["tokens_per_s"])
+    assert "speedup_vs_exact" in report.macro()["0"]["d"]
+    same = report.quality["greedy_identity_same_kernels"]["mine"]
+    assert set(same) == {"d", PROMPT_LOOKUP} and all(v["exact_match"] == 1.0 for v in same.values())
+    assert set(report.quality["greedy_identity"]["mine"]) == {"d", PROMPT_LOOKUP, PLAIN_EXACT}
+    md = report.to_markdown()
+    assert "on the `exact` kernels" in md and "plain (exact kernels) tok/s" in md
+    assert "Greedy identity with plain generate() on the same (exact) kernels" in md
+    with pytest.raises(ValueError, match="Unknown kernel mode"):
+        evaluate_drafts(target, tok, {"d": draft}, prompts=prompts, kernels="fast", progress=False)

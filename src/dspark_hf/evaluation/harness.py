@@ -25,11 +25,17 @@ from ..scheduling.calibration import json_safe
 from .eval_metrics import load_metric, token_string
 from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
 
+#: Plain `generate()` on the stock kernels: what a user of plain `generate()` gets; `speedup` is over it.
 PLAIN = "plain"
 PROMPT_LOOKUP = "prompt_lookup"
-#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.model.cpu_packing`): the same
-#: kernels speculative decoding uses, so `speedup_vs_packed` isolates what speculation itself adds.
+#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.model.cpu_packing`); with
+#: `kernels="packed"` it is the same-kernels baseline, and `speedup_vs_packed` isolates what speculation adds.
 PLAIN_PACKED = "plain_packed"
+#: Plain `generate()` on the exact kernels: the same-kernels baseline of a `kernels="exact"` evaluation
+#: (`speedup_vs_exact`), and the run speculative greedy output is identical to by construction.
+PLAIN_EXACT = "plain_exact"
+#: The baseline method that runs plain `generate()` on each kernel mode other than stock.
+PLAIN_ON = {"packed": PLAIN_PACKED, "exact": PLAIN_EXACT}
 #: Sets with a task metric: GSM8K answer accuracy and HumanEval pass@1.
 TASK_METRICS = {"gsm8k": ("gsm8k_accuracy", "accuracy"), "humaneval": ("humaneval_pass_at_1", "pass@1")}
 
@@ -193,11 +199,13 @@ class EvalReport:
                         rounds = [x for r in runs for x in r.rounds]
                         cell[method].update(acceptance_curves(rounds, info["block_size"]))
                 plain = cell.get(PLAIN, {}).get("tokens_per_s", float("nan"))
-                packed = cell.get(PLAIN_PACKED, {}).get("tokens_per_s")
                 for metrics in cell.values():
                     metrics["speedup"] = metrics["tokens_per_s"] / plain if plain else float("nan")
-                    if packed is not None:
-                        metrics["speedup_vs_packed"] = metrics["tokens_per_s"] / packed if packed else float("nan")
+                for mode, base in PLAIN_ON.items():
+                    tps = cell.get(base, {}).get("tokens_per_s")
+                    if tps is not None:
+                        for metrics in cell.values():
+                            metrics[f"speedup_vs_{mode}"] = metrics["tokens_per_s"] / tps if tps else float("nan")
                 out.setdefault(set_name, {})[temp] = cell
         return out
 
@@ -216,7 +224,9 @@ class EvalReport:
                 cells = [summary[s][temp][method] for s in self.sets if method in summary[s].get(temp, {})]
                 if not cells:
                     continue
-                keys = ("tokens_per_s", "speedup") + (("speedup_vs_packed",) if PLAIN_PACKED in self.methods else ())
+                keys = ("tokens_per_s", "speedup") + tuple(
+                    f"speedup_vs_{mode}" for mode, base in PLAIN_ON.items() if base in self.methods
+                )
                 agg = {key: _nanmean(c[key] for c in cells) for key in keys}
                 if self.methods[method]["kind"] == "draft":
                     for key in ("tau", "mean_verified", "verify_rate", "mean_accepted"):
@@ -296,7 +306,10 @@ def _resolved_policies(report: EvalReport) -> str:
 
 
 def _label(method: str) -> str:
-    return {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)"}.get(method, method)
+    return _LABELS.get(method, method)
+
+
+_LABELS = {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)", PLAIN_EXACT: "plain (exact kernels)"}
 
 
 def _speed_table(sets, summary: dict, macro: dict, temp: str, base: str, key: str, methods: list[str]) -> str:
@@ -323,12 +336,13 @@ def _markdown(report: EvalReport) -> str:
         f"Target `{c.get('target')}` ({c.get('target_dtype')}{_on_device(c)}), drafts: {gammas}; "
         f"policy `{_policy_text(c.get('policy'))}`{_resolved_policies(report)}, "
         f"max {c.get('max_new_tokens')} new tokens, {c.get('repeats')} timed repeat(s), seed {c.get('seed')}, "
-        f"{c.get('torch_threads')} torch threads. Prompts per set: "
+        f"{c.get('torch_threads')} torch threads, speculative runs on the `{c.get('kernels', 'stock')}` kernels. "
+        "Prompts per set: "
         + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items())
         + ".",
         "",
         "τ = mean tokens per target forward (accepted drafts + the target's own token). Speedup = tokens/s over "
-        "plain `generate()` measured in this run, methods interleaved prompt by prompt.",
+        "plain `generate()` on the stock kernels measured in this run, methods interleaved prompt by prompt.",
     ]
     for temp in report.temperatures:
         others = [m for m in report.methods if m != PLAIN and any(m in summary[s].get(temp, {}) for s in report.sets)]
@@ -338,15 +352,14 @@ def _markdown(report: EvalReport) -> str:
         out.append(_table(["set", *drafts], rows))
         out += ["", "### Speed (tokens/s) and speedup over plain generate()", ""]
         out.append(_speed_table(report.sets, summary, macro[temp], temp, PLAIN, "speedup", others))
-        if PLAIN_PACKED in others:
-            rest = [m for m in others if m != PLAIN_PACKED]
-            out += [
-                "",
-                "Speedup over plain `generate()` with packed linears (the CPU kernels speculative decoding uses, "
-                "so this is what speculation itself adds):",
-                "",
-            ]
-            out.append(_speed_table(report.sets, summary, macro[temp], temp, PLAIN_PACKED, "speedup_vs_packed", rest))
+        for mode, base in PLAIN_ON.items():
+            if base not in others:
+                continue
+            rest = [m for m in others if m != base]
+            same = mode == c.get("kernels")
+            why = " (the kernels speculative decoding uses here, so this is what speculation itself adds)" if same else ""
+            out += ["", f"Speedup over plain `generate()` on the {mode} kernels{why}:", ""]
+            out.append(_speed_table(report.sets, summary, macro[temp], temp, base, f"speedup_vs_{mode}", rest))
         gamma = max(report.methods[d]["block_size"] for d in drafts)
         for key, count, title in (
             ("conditional_acceptance", "reached", "Conditional acceptance P(k accepted | 1..k−1 accepted)"),
@@ -373,11 +386,20 @@ def _markdown(report: EvalReport) -> str:
 def _markdown_quality(report: EvalReport) -> list[str]:
     q = report.quality
     out = []
-    if q.get("greedy_identity"):
-        out += ["", "## Greedy identity (token exact match with plain generate(), must be 1.0)", ""]
+    mode = report.config.get("kernels", "stock")
+    titles = {
+        "greedy_identity_same_kernels": f"Greedy identity with plain generate() on the same ({mode}) kernels "
+        "(token exact match, must be 1.0)",
+        "greedy_identity": "Greedy identity with plain generate() on the stock kernels (token exact match"
+        + ("; on other kernels it holds unless a near-tie of two logits falls differently)" if mode != "stock" else ")"),
+    }
+    for key, title in titles.items():
+        if not q.get(key) or (key == "greedy_identity_same_kernels" and mode == "stock"):
+            continue
+        out += ["", f"## {title}", ""]
         rows = [
             [s, _label(m), _fmt(v["exact_match"], ".3f"), ", ".join(v["mismatched"]) or "–"]
-            for s, cell in q["greedy_identity"].items()
+            for s, cell in q[key].items()
             for m, v in cell.items()
         ]
         out.append(_table(["set", "method", "exact match", "mismatched prompts"], rows))
@@ -469,30 +491,37 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
 
 # ---------------------------------------------------------------------- quality parity
 def quality_checks(report: EvalReport, items: Mapping[str, Sequence[PromptItem]], task_metrics: bool = True) -> dict:
-    """Greedy identity (token exact match against plain `generate()` at temperature 0, must be 1.0) and,
-    with `task_metrics`, GSM8K accuracy / HumanEval pass@1 per method, compared with plain generation.
+    """Greedy identity (token exact match at temperature 0) and, with `task_metrics`, GSM8K accuracy / HumanEval
+    pass@1 per method, compared with plain generation.
+
+    Identity is checked twice: `greedy_identity` against plain `generate()` on the stock kernels (what a user of
+    plain `generate()` gets; on other kernels it holds only as long as no near-tie of two logits falls
+    differently), and `greedy_identity_same_kernels` against plain `generate()` on the kernels the speculative
+    runs used (must be 1.0; in the exact mode it holds by construction).
 
     At temperature 0 a method's accuracy must equal plain generation's (`equal_to_plain`); at a sampling
     temperature [`paired_accuracy_test`] says whether the difference is within sampling noise.
     """
     by_id = {(s, item.id): item for s, rows in items.items() for item in rows}
-    quality = {"greedy_identity": {}, "task_accuracy": {}}
+    quality = {"greedy_identity": {}, "greedy_identity_same_kernels": {}, "task_accuracy": {}}
+    same = PLAIN_ON.get(report.config.get("kernels", "stock"), PLAIN)
     if "0" in report.temperatures:
         exact = load_metric("token_exact_match")
-        for set_name in report.sets:
-            plain = report._select(set_name, "0", PLAIN)
-            for method in report.methods:
-                runs = report._select(set_name, "0", method)
-                if method == PLAIN or not runs:
-                    continue
-                scores = exact.compute(
-                    predictions=[token_string(r.output_ids) for r in runs],
-                    references=[token_string(r.output_ids) for r in plain],
-                )
-                quality["greedy_identity"].setdefault(set_name, {})[method] = {
-                    "exact_match": scores["exact_match"],
-                    "mismatched": [r.prompt_id for r, ok in zip(runs, scores["matches"]) if not ok],
-                }
+        for key, base in (("greedy_identity", PLAIN), ("greedy_identity_same_kernels", same)):
+            for set_name in report.sets:
+                plain = report._select(set_name, "0", base)
+                for method in report.methods:
+                    runs = report._select(set_name, "0", method)
+                    if method == base or not runs or (key != "greedy_identity" and method in (PLAIN, *PLAIN_ON.values())):
+                        continue
+                    scores = exact.compute(
+                        predictions=[token_string(r.output_ids) for r in runs],
+                        references=[token_string(r.output_ids) for r in plain],
+                    )
+                    quality[key].setdefault(set_name, {})[method] = {
+                        "exact_match": scores["exact_match"],
+                        "mismatched": [r.prompt_id for r, ok in zip(runs, scores["matches"]) if not ok],
+                    }
     if not task_metrics:
         return quality
     for set_name in (s for s in report.sets if s in TASK_METRICS):
@@ -578,6 +607,7 @@ def evaluate_drafts(
     task_metrics: bool = True,
     prompts: Mapping[str, Sequence[PromptItem]] | None = None,
     progress: bool = True,
+    kernels: str | None = None,
 ) -> EvalReport:
     """Evaluate `drafts` with `target` on prompt sets; plain and speculative runs interleaved per prompt.
 
@@ -610,6 +640,12 @@ def evaluate_drafts(
         packed_baseline (`bool`, *optional*): also time plain `generate()` with the target's linears packed
             (`"plain_packed"`, see `dspark_hf.model.cpu_packing`). Defaults to whether speculative decoding packs
             them here (on a CPU with packing enabled).
+        kernels (`str`, *optional*): the kernel mode of the speculative and prompt-lookup runs (`"stock"`,
+            `"packed"`, `"exact"`; see `dspark_hf.model.kernels`). Defaults to what `generate()` uses without a
+            `dspark_kernels` argument. Plain `generate()` on the stock kernels (`"plain"`) is always timed;
+            for another mode, plain `generate()` on that mode's kernels is timed too (`"plain_exact"` /
+            `"plain_packed"`, with `speedup_vs_exact` / `speedup_vs_packed`), so the report separates what the
+            kernels give from what speculation gives.
         task_metrics (`bool`, *optional*, defaults to `True`): score GSM8K / HumanEval replies.
         prompts (`Mapping[str, Sequence[PromptItem]]`, *optional*): use these prompts instead of loading `sets`.
         progress (`bool`, *optional*, defaults to `True`): tqdm progress bars.
@@ -621,25 +657,29 @@ def evaluate_drafts(
     from tqdm.auto import tqdm
 
     from ..default_model import chat_inputs
-    from ..model.cpu_packing import cpu_packing_enabled, packed_linears
+    from ..model.cpu_packing import cpu_packing_enabled
+    from ..model.kernels import _check_mode, default_kernels
 
-    reserved = {PLAIN, PROMPT_LOOKUP, PLAIN_PACKED} & set(drafts)
+    reserved = {PLAIN, PROMPT_LOOKUP, *PLAIN_ON.values()} & set(drafts)
     if not drafts or reserved:
         raise ValueError(
             f"Got drafts named {sorted(drafts)}; pass at least one draft, and none named {PLAIN!r}, "
-            f"{PLAIN_PACKED!r} or {PROMPT_LOOKUP!r} (those names are the baselines)."
+            f"{PLAIN_PACKED!r}, {PLAIN_EXACT!r} or {PROMPT_LOOKUP!r} (those names are the baselines)."
         )
+    mode = _check_mode(kernels) if kernels is not None else default_kernels()
     if repeats < 1 or max_new_tokens < 1 or any(t < 0 for t in temperatures):
         raise ValueError(
             f"Got repeats={repeats}, max_new_tokens={max_new_tokens}, temperatures={list(temperatures)}; "
             "repeats and max_new_tokens must be >= 1 and temperatures >= 0."
         )
     items = dict(prompts) if prompts is not None else {s: load_prompt_set(s, limit) for s in sets}
-    methods = {PLAIN: {"kind": "plain"}}
+    methods = {PLAIN: {"kind": "plain", "kernels": "stock"}}
+    if mode != "stock":
+        methods[PLAIN_ON[mode]] = {"kind": f"plain_{mode}", "kernels": mode}
     if packed_baseline is None:
-        packed_baseline = cpu_packing_enabled() and target.device.type == "cpu"
+        packed_baseline = mode == "packed" or (cpu_packing_enabled() and target.device.type == "cpu")
     if packed_baseline:
-        methods[PLAIN_PACKED] = {"kind": "plain_packed"}
+        methods[PLAIN_PACKED] = {"kind": "plain_packed", "kernels": "packed"}
     for name, draft in drafts.items():
         methods[name] = {
             "kind": "draft",
@@ -652,6 +692,7 @@ def evaluate_drafts(
     def run_once(inputs, method, configs, run_seed):
         config, lookup = configs
         kwargs = {"generation_config": lookup if method == PROMPT_LOOKUP else config}
+        kwargs["dspark_kernels"] = methods[method].get("kernels", mode)  # drafts and prompt lookup: `mode`
         if method in drafts:
             kwargs["assistant_model"] = drafts[method]
             spec = policy.get(method) if isinstance(policy, Mapping) else policy
@@ -663,7 +704,7 @@ def evaluate_drafts(
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
-        with torch.no_grad(), packed_linears(target, enabled=method == PLAIN_PACKED):
+        with torch.no_grad():
             out = target.generate(**inputs, **kwargs)
         synchronize(target.device)  # a GPU runs asynchronously: count the work, not just its launch
         seconds = time.perf_counter() - start
@@ -720,6 +761,7 @@ def evaluate_drafts(
         "cuda_graphs": dict(cuda_graphs) if isinstance(cuda_graphs, Mapping) else cuda_graphs,
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
+        "kernels": mode,
         "timing": "per prompt, methods interleaved in every repeat; tokens/s = new tokens / median seconds, summed",
     }
     report = EvalReport(config, methods, runs)
