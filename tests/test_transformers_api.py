@@ -61,3 +61,38 @@ def test_config_provenance_and_quantizer():
     target.config.quantization_config = {"quant_method": "gguf"}
     api.drop_quantizer(target)
     assert target.hf_quantizer is None and not hasattr(target.config, "quantization_config")
+
+
+def test_forward_with_features_records_what_output_hidden_states_returns():
+    for arch in ("llama", "qwen2", "qwen3"):
+        target = make_target(arch, num_layers=5)
+        ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for layers in ([0, 2, 3], [3, 1], [-1, 2], [1, 4]):  # -1 and the last layer: output_hidden_states
+                expected = api.selected_hidden_states(target(ids, output_hidden_states=True).hidden_states, layers)
+                out, feats = api.forward_with_features(target, layers, ids)
+                assert torch.equal(feats, expected), (arch, layers)
+                assert torch.equal(out.logits, target(ids).logits)
+            assert api.forward_with_features(target, None, ids)[1] is None
+    # the hooks are gone after the call, and a layer list that is not a transformers one falls back
+    fresh = make_target("llama", num_layers=4)
+    with torch.no_grad():
+        api.forward_with_features(fresh, [0, 1], ids)
+    assert not any(layer._forward_hooks for layer in fresh.model.layers)
+    assert api.decoder_layers(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_engine_leaves_no_transformers_capturing_hooks_on_the_target():
+    # transformers' output_hidden_states installs capturing hooks on every layer for good (a ~3% cost per
+    # forward ever after); the engine records its features with hooks of its own, for the call only
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    from helpers import make_aligned_draft
+
+    target = make_target("qwen2", num_layers=4)
+    engine = DSparkEngine(target, make_aligned_draft(target, block_size=4), policy="fixed")
+    out = engine.generate([[1, 2, 3, 4, 5], [7, 8]], SamplingParams(max_new_tokens=10))
+    assert all(o.ok and len(o.token_ids) == 10 for o in out)
+    assert engine.metrics.drafting_rounds > 0
+    modules = list(target.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)

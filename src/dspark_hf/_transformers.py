@@ -5,7 +5,8 @@ The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives 
 `dspark_hf.decoding.generation` with its signature guard; everything else is here:
 
 * which hidden states to ask for, and the `+1` offset of `hidden_states` (index 0 is the embeddings), with the
-  version gate for selecting them by index;
+  version gate for selecting them by index; where the decoder layers are, to record the wanted layers' outputs
+  with hooks of our own ([`forward_with_features`]);
 * a generation config's end-of-sequence ids (`_eos_token_tensor`, filled in by `generate()`);
 * the name of the cache keyword of a model's `forward` (`cache` in newer releases, `past_key_values` before),
   cached per model class;
@@ -53,6 +54,55 @@ def selected_hidden_states(hidden_states: Sequence[Any], layer_ids: Sequence[int
     import torch
 
     return torch.cat([hidden_states[i] for i in hidden_state_indices(layer_ids)], dim=-1)
+
+
+def decoder_layers(model) -> Any:
+    """The decoder layers (`nn.ModuleList`) of a transformers causal LM (`model.model.layers`, or a multimodal
+    model's `model.language_model.layers`), or `None` when the model is laid out otherwise."""
+    import torch
+
+    base = getattr(model, "model", None)
+    for holder in (base, getattr(base, "language_model", None)):
+        layers = getattr(holder, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    return None
+
+
+def forward_with_features(model, layer_ids: Sequence[int] | None, *args, **kwargs):
+    """`model(*args, **kwargs)` and the outputs of decoder layers `layer_ids` concatenated (`[B, T, m·d]`,
+    as [`selected_hidden_states`]), or `None` without `layer_ids`. Returns `(output, features)`.
+
+    The outputs are recorded by one forward hook on each wanted layer for the duration of the call. Asking
+    transformers for `output_hidden_states` instead installs its output-capturing hooks on *every* decoder
+    layer and attention module for good, which costs ~3% of a one-token forward of a 30-layer model (measured
+    on SmolLM2-135M: 27.6 vs 26.7 ms) in every later forward, features wanted or not. Models whose layers
+    cannot be found, and layer ids that are not an inner decoder layer (the embedding output `-1`, or the last
+    layer, whose transformers entry may be taken after the final norm), go through `output_hidden_states`.
+    """
+    if not layer_ids:
+        return model(*args, **kwargs), None
+    layers = decoder_layers(model)
+    if layers is None or not all(0 <= int(i) < len(layers) - 1 for i in layer_ids):
+        out = model(*args, output_hidden_states=hidden_states_request(layer_ids), **kwargs)
+        return out, selected_hidden_states(out.hidden_states, layer_ids)
+    import torch
+
+    seen: dict[int, Any] = {}
+
+    def record(index):
+        def hook(module, inputs, output):
+            seen[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[int(i)].register_forward_hook(record(int(i))) for i in dict.fromkeys(layer_ids)]
+    try:
+        out = model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, torch.cat([seen[int(i)] for i in layer_ids], dim=-1)
 
 
 def eos_token_ids(generation_config) -> set[int]:

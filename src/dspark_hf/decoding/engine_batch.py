@@ -46,8 +46,7 @@ from .._transformers import (
     cache_kwarg,
     filled_cache,
     forward_accepts,
-    hidden_states_request,
-    selected_hidden_states,
+    forward_with_features,
     slot_cache,
 )
 from .caches import KVStore, SlotKV
@@ -197,8 +196,6 @@ def ragged_target_forward(
         ]
     cache = filled_cache(data)
     kwargs = {cache_kwarg(target): cache, "use_cache": True}
-    if layer_ids:
-        kwargs["output_hidden_states"] = hidden_states_request(layer_ids)
     # Only the logits the caller needs go through the LM head (a prefill row needs just its last position).
     # `logits_to_keep` selects query positions shared by all batch rows.
     wanted = sorted({q0 + j for (_, q0, _), row_keep in zip(spans, keep) for j in row_keep})
@@ -211,12 +208,11 @@ def ragged_target_forward(
         column = {q: i for i, q in enumerate(wanted)}
     # additive float mask (works for eager and SDPA attention alike): a large negative value where masked
     float_mask = torch.zeros(mask.shape, dtype=target.dtype).masked_fill_(~mask, torch.finfo(target.dtype).min)
-    out = target(ids, attention_mask=float_mask.to(device), position_ids=pos, **kwargs)
+    out, feats = forward_with_features(
+        target, layer_ids, ids, attention_mask=float_mask.to(device), position_ids=pos, **kwargs
+    )
     logits = [out.logits[b, [column[q0 + j] for j in row_keep]] for (b, q0, _), row_keep in zip(spans, keep)]
-    features = None
-    if layer_ids:
-        feats = selected_hidden_states(out.hidden_states, layer_ids)
-        features = [feats[b, q0:q1] for b, q0, q1 in spans]
+    features = None if feats is None else [feats[b, q0:q1] for b, q0, q1 in spans]
     new_kv = [
         [(layer.keys[b, :, past + q0 : past + q1], layer.values[b, :, past + q0 : past + q1]) for layer in cache.layers]
         for b, q0, q1 in spans
@@ -261,18 +257,13 @@ def slot_target_forward(
     float_mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
     float_mask = float_mask.masked_fill_(~visible, torch.finfo(target.dtype).min)[:, None]
     kwargs = {cache_kwarg(target): slot_cache(store.buffers(0, rows), pos, kv_len), "use_cache": True}
-    if layer_ids:
-        kwargs["output_hidden_states"] = hidden_states_request(layer_ids)
     column = {q: q for q in range(width)}
     if forward_accepts(target, "logits_to_keep"):
         kwargs["logits_to_keep"] = packed[rows * width + rows :]
         column = {q: i for i, q in enumerate(wanted)}
-    out = target(ids, attention_mask=float_mask, position_ids=pos, **kwargs)
+    out, feats = forward_with_features(target, layer_ids, ids, attention_mask=float_mask, position_ids=pos, **kwargs)
     logits = [out.logits[r, [column[j] for j in row_keep]] for r, row_keep in enumerate(keep)]
-    features = None
-    if layer_ids:
-        feats = selected_hidden_states(out.hidden_states, layer_ids)
-        features = [feats[r, : len(row)] for r, row in enumerate(new_tokens)]
+    features = None if feats is None else [feats[r, : len(row)] for r, row in enumerate(new_tokens)]
     return RaggedOutput(logits=logits, features=features, new_kv=None, layout="padded")
 
 
