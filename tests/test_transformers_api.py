@@ -96,3 +96,19 @@ def test_the_engine_leaves_no_transformers_capturing_hooks_on_the_target():
     assert engine.metrics.drafting_rounds > 0
     modules = list(target.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def test_speculative_generate_records_features_without_transformers_capturing_hooks():
+    from helpers import make_aligned_draft
+
+    target = make_target("llama", num_layers=6, markov=True)
+    draft = make_aligned_draft(target, block_size=4)
+    assert api.can_record(target, draft.config.target_layer_ids)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    spec = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, dspark_policy="fixed")
+    assert max(r.accepted for r in draft.last_generation_stats.rounds) >= 2  # the draft had real context
+    assert torch.equal(spec, target.generate(ids, max_new_tokens=24, do_sample=False))
+    # transformers' output_hidden_states was never asked for (it would have left capturing hooks everywhere),
+    # and the call's own hooks are gone
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
+    assert draft._call_recorder is None

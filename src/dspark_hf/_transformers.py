@@ -6,7 +6,7 @@ The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives 
 
 * which hidden states to ask for, and the `+1` offset of `hidden_states` (index 0 is the embeddings), with the
   version gate for selecting them by index; where the decoder layers are, to record the wanted layers' outputs
-  with hooks of our own ([`forward_with_features`]);
+  with hooks of our own ([`recording_layers`]);
 * a generation config's end-of-sequence ids (`_eos_token_tensor`, filled in by `generate()`);
 * the name of the cache keyword of a model's `forward` (`cache` in newer releases, `past_key_values` before),
   cached per model class;
@@ -18,6 +18,7 @@ The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
@@ -69,40 +70,72 @@ def decoder_layers(model) -> Any:
     return None
 
 
-def forward_with_features(model, layer_ids: Sequence[int] | None, *args, **kwargs):
-    """`model(*args, **kwargs)` and the outputs of decoder layers `layer_ids` concatenated (`[B, T, m·d]`,
-    as [`selected_hidden_states`]), or `None` without `layer_ids`. Returns `(output, features)`.
+class LayerRecorder:
+    """Forward hooks on decoder layers `layer_ids` that keep each layer's latest output (see [`recording_layers`])."""
 
-    The outputs are recorded by one forward hook on each wanted layer for the duration of the call. Asking
-    transformers for `output_hidden_states` instead installs its output-capturing hooks on *every* decoder
-    layer and attention module for good, which costs ~3% of a one-token forward of a 30-layer model (measured
-    on SmolLM2-135M: 27.6 vs 26.7 ms) in every later forward, features wanted or not. Models whose layers
-    cannot be found, and layer ids that are not an inner decoder layer (the embedding output `-1`, or the last
-    layer, whose transformers entry may be taken after the final norm), go through `output_hidden_states`.
-    """
-    if not layer_ids:
-        return model(*args, **kwargs), None
-    layers = decoder_layers(model)
-    if layers is None or not all(0 <= int(i) < len(layers) - 1 for i in layer_ids):
-        out = model(*args, output_hidden_states=hidden_states_request(layer_ids), **kwargs)
-        return out, selected_hidden_states(out.hidden_states, layer_ids)
-    import torch
+    def __init__(self, layers, layer_ids: Sequence[int]) -> None:
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.outputs: dict[int, Any] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in dict.fromkeys(self.layer_ids)]
 
-    seen: dict[int, Any] = {}
-
-    def record(index):
+    def _hook(self, index: int):
         def hook(module, inputs, output):
-            seen[index] = output[0] if isinstance(output, tuple) else output
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
-    handles = [layers[int(i)].register_forward_hook(record(int(i))) for i in dict.fromkeys(layer_ids)]
-    try:
-        out = model(*args, **kwargs)
-    finally:
-        for handle in handles:
+    def features(self):
+        """The wanted layers' outputs of the latest forward, concatenated on the last dimension (`[B, T, m·d]`)."""
+        import torch
+
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
             handle.remove()
-    return out, torch.cat([seen[int(i)] for i in layer_ids], dim=-1)
+        self._handles, self.outputs = [], {}
+
+
+def can_record(model, layer_ids: Sequence[int]) -> bool:
+    """Whether [`recording_layers`] can hook every layer of `layer_ids` (inner decoder layers of a known layout)."""
+    layers = decoder_layers(model)
+    return layers is not None and all(0 <= int(i) < len(layers) - 1 for i in layer_ids)
+
+
+@contextlib.contextmanager
+def recording_layers(model, layer_ids: Sequence[int] | None):
+    """Record the outputs of decoder layers `layer_ids` of every forward inside the block; yields a
+    [`LayerRecorder`], or `None` when they cannot be hooked (no `layer_ids`, a model laid out otherwise, the
+    embedding output `-1`, or the last layer, whose transformers entry may be taken after the final norm: ask
+    for `output_hidden_states` then).
+
+    Why not `output_hidden_states`: asking transformers for it installs its output-capturing hooks on *every*
+    decoder layer and attention module for good, which costs ~3% of a one-token forward of a 30-layer model
+    (measured on SmolLM2-135M: 27.6 vs 26.7 ms) in every later forward, features wanted or not. One hook per
+    wanted layer, removed at the end of the block, costs nothing measurable.
+    """
+    if not layer_ids or not can_record(model, layer_ids):
+        yield None
+        return
+    recorder = LayerRecorder(decoder_layers(model), layer_ids)
+    try:
+        yield recorder
+    finally:
+        recorder.remove()
+
+
+def forward_with_features(model, layer_ids: Sequence[int] | None, *args, **kwargs):
+    """`model(*args, **kwargs)` and the outputs of decoder layers `layer_ids` concatenated (`[B, T, m·d]`,
+    as [`selected_hidden_states`]), or `None` without `layer_ids`. Returns `(output, features)`; the features
+    are recorded with [`recording_layers`] where it can, else read from `output_hidden_states`."""
+    if not layer_ids:
+        return model(*args, **kwargs), None
+    with recording_layers(model, layer_ids) as recorder:
+        if recorder is None:
+            out = model(*args, output_hidden_states=hidden_states_request(layer_ids), **kwargs)
+            return out, selected_hidden_states(out.hidden_states, layer_ids)
+        out = model(*args, **kwargs)
+        return out, recorder.features()
 
 
 def eos_token_ids(generation_config) -> set[int]:

@@ -30,7 +30,7 @@ import transformers
 from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .._transformers import eos_token_ids, hidden_states_request, selected_hidden_states
+from .._transformers import eos_token_ids, hidden_states_request, recording_layers, selected_hidden_states
 from ..model.compat import check_target_compatibility
 from ..model.kernels import default_kernels, explicit_kernels, use_kernels
 from ..model.modeling import DSparkDraftModel
@@ -106,7 +106,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
             from ..scheduling.sps import get_sps_profile
 
             self.schedule_context.sps = get_sps_profile(target).sps
-        self.model_kwargs_overrides = {"output_hidden_states": hidden_states_request(self.config.target_layer_ids)}
+        # the target layers' outputs: recorded by hooks of this call (generate() below) where the layers can be
+        # hooked, else asked of transformers (whose capturing hooks then stay on the target for good, ~3%/forward)
+        self.recorder = getattr(draft, "_call_recorder", None)
+        self.model_kwargs_overrides = (
+            {} if self.recorder is not None else {"output_hidden_states": hidden_states_request(self.config.target_layer_ids)}
+        )
         if draft.draft_vocab_ids is not None and int(draft.draft_vocab_ids.min()) < 0:
             raise ValueError(
                 f"The draft's config sets draft_vocab_size={draft.config.draft_vocab_size} but its draft_vocab_ids "
@@ -206,10 +211,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         n_new = committed - len(self.store) - self._features_pending
         if n_new <= 0:
             return
-        hidden_states = getattr(model_outputs, "hidden_states", None)
-        if hidden_states is None:
-            raise RuntimeError("The target's forward returned no hidden_states; DSpark needs them for its context.")
-        feats = selected_hidden_states(hidden_states, self.config.target_layer_ids)[0, :n_new]
+        if self.recorder is not None:  # the hooked layers' outputs of that same (latest) target forward
+            feats = self.recorder.features()[0, :n_new]
+        else:
+            hidden_states = getattr(model_outputs, "hidden_states", None)
+            if hidden_states is None:
+                raise RuntimeError("The target's forward returned no hidden_states; DSpark needs them for its context.")
+            feats = selected_hidden_states(hidden_states, self.config.target_layer_ids)[0, :n_new]
         if feats.shape[0] != n_new:
             raise RuntimeError(
                 f"Context bookkeeping error: {n_new} newly committed tokens but the target returned hidden "
@@ -344,11 +352,15 @@ def install_generate_hook() -> None:
         try:
             # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
             # verifying k tokens cost about what one token does (see dspark_hf.model.kernels).
-            with use_kernels(self, draft, mode=kernels or default_kernels()):
+            with (
+                use_kernels(self, draft, mode=kernels or default_kernels()),
+                recording_layers(self, draft.config.target_layer_ids) as draft._call_recorder,
+            ):
                 return original_generate(self, *args, **kwargs)
         finally:
             draft._call_policy = None
             draft._call_cuda_graphs = None
+            draft._call_recorder = None
 
     generate._dspark_original = original_generate
     GenerationMixin.generate = generate
