@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=_env("POLICY"),
         help="verification policy, e.g. hardware_aware, fixed:3; 'none' serves without speculation "
-        "(default: hardware_aware for a calibrated draft, else fixed)",
+        "(default: hardware_aware_uniform for a calibrated draft, else fixed)",
     )
     parser.add_argument(
         "--kernels",

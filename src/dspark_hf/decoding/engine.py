@@ -235,7 +235,7 @@ class DSparkEngine:
             without speculation (see `dspark_hf.model.kernels`): `"stock"`, `"packed"` or `"exact"`. In
             `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
-            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (1024) tokens (a
+            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (512) tokens (a
             longer prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at
             different shapes); the rounds run the padded layout. Defaults to the mode set with [`set_kernels`] or
             `DSPARK_KERNELS`, else `"packed"` when `cpu_packing` is on, else `"stock"`. The models are switched

@@ -54,9 +54,10 @@ EXACT_ATTENTION = "dspark_exact"
 #: forward, and the prefill of any prompt up to this length, so that the whole computation of such a prompt
 #: (its KV cache included) is the same whether it runs alone in plain `generate()` or batched in the engine.
 #: The limit is per sequence, not per forward (32 sequences verifying 4 tokens each are 128 rows, all exact).
-#: Up to 1024 tokens an exact prefill costs what a stock one does on the CPUs measured (the linear kernel
-#: works in cache-sized row blocks); beyond, the exact attention's per-query loop costs 2-4x SDPA's.
-EXACT_MAX_ROWS = 1024
+#: What exactness costs a prefill of SmolLM2-135M on a 2-core CPU (benchmarks/bench_batched_forward.py
+#: --prefill): 64 tokens 0.8x stock's time, 128 1.1x, 256 and 512 1.3x, 1024 1.75x, 2048 2.3x (the exact
+#: attention visits one query at a time); 512 keeps the guarantee for ordinary prompts at a bounded cost.
+EXACT_MAX_ROWS = 512
 
 _MODE: str | None = None  # set_kernels(); None: environment / legacy packing flag / "stock"
 _BACKEND: object | None = None  # the compiled extension, or False when it could not be built
