@@ -9,6 +9,11 @@ tokens/s (all tokens / wall time), time to first token and inter-token latency (
 chunks split over the tokens the later one carries, as the server's own histogram does) per token.
 
     python benchmarks/bench_serve.py --max-tokens 32 --repeats 3
+    python benchmarks/bench_serve.py --policies default none none@stock   # plus plain decoding on stock kernels
+
+A mode `POLICY@KERNELS` runs its server with `--kernels KERNELS`; without one, each server runs its default
+kernels (exact for the float32 default target on a CPU). The table gives each mode's ratio to `none` twice: the
+ratio of the medians, and the median of the per-repeat ratios (each pair measured back to back).
 
 Writes `benchmarks/results/serve.json` (every repeat, and medians) and prints a markdown table. Traffic goes to
 127.0.0.1 only; every request loop is bounded by `--requests`.
@@ -59,13 +64,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(policy: str | None, args, log: Path) -> tuple[subprocess.Popen, str]:
+def split_mode(mode: str) -> tuple[str | None, str | None]:
+    """`"policy@kernels"` -> (policy or None for the server's default, kernels or None for the default)."""
+    policy, _, kernels = mode.partition("@")
+    return (None if policy == "default" else policy), (kernels or None)
+
+
+def start_server(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
+    policy, kernels = split_mode(mode)
     port = _free_port()
     argv = [sys.executable, "-m", "dspark_hf.cli", "serve", "--port", str(port), "--log-level", "warning"]
     argv += ["--max-batch-size", str(max(args.concurrency)), "--max-queue", str(2 * max(args.concurrency))]
     argv += ["--threads", str(args.threads), "--max-new-tokens", str(args.max_tokens)]
     if policy is not None:
         argv += ["--policy", policy]
+    if kernels or args.kernels:
+        argv += ["--kernels", kernels or args.kernels]
     for flag in ("target", "draft", "dtype", "device"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
@@ -74,7 +88,7 @@ def start_server(policy: str | None, args, log: Path) -> tuple[subprocess.Popen,
     url = f"http://127.0.0.1:{port}"
     for _ in range(3000):  # bounded: 10 minutes (the first hardware-aware start measures the SPS profile)
         if proc.poll() is not None:
-            raise SystemExit(f"server for policy {policy} exited:\n{log.read_text()[-2000:]}")
+            raise SystemExit(f"server for mode {mode} exited:\n{log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return proc, url
@@ -82,7 +96,7 @@ def start_server(policy: str | None, args, log: Path) -> tuple[subprocess.Popen,
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"server for policy {policy} never became ready")
+    raise SystemExit(f"server for mode {mode} never became ready")
 
 
 async def one_request(client, prompt: str, max_tokens: int) -> dict:
@@ -146,7 +160,7 @@ def _pct(sorted_values: list[float], q: float) -> float:
 
 def engine_summary(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=60).text
-    out = {}
+    out = {"kernels": httpx.get(url + "/ready", timeout=60).json().get("kernels")}
     for name in ("tau", "mean_verification_length", "drafting_rounds_total", "rounds_total"):
         for line in text.splitlines():
             if line.startswith(f"dspark_engine_{name} "):
@@ -163,22 +177,30 @@ def _medians(samples: dict) -> dict:
     return out
 
 
+def paired_ratio(runs: list[dict], base: list[dict]) -> float:
+    """Median over repeats of (tokens/s of a mode) / (tokens/s of the baseline in the same repeat): each pair
+    was measured back to back, so a slow moment of the machine divides out instead of landing on one mode."""
+    return statistics.median(r["tokens_per_second"] / b["tokens_per_second"] for r, b in zip(runs, base))
+
+
 def render(report: dict) -> str:
-    """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run."""
+    """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run (the
+    ratio of the medians, and the median of the repeats' paired ratios)."""
     samples = {int(c): v for c, v in report["samples"].items()}
     medians = _medians(samples)
     modes = list(next(iter(samples.values())))
     lines = [
-        "| C | mode | repeats | tokens/s | vs none | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| C | mode | repeats | tokens/s | vs none | vs none, paired | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c, per_mode in medians.items():
         for mode in modes:
             m = per_mode[mode]
             base = per_mode.get("none")
             ratio = f"{m['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
+            paired = f"{paired_ratio(samples[c][mode], samples[c]['none']):.2f}x" if base else "-"
             lines.append(
-                f"| {c} | {mode} | {len(samples[c][mode])} | {m['tokens_per_second']:.1f} | {ratio} | "
+                f"| {c} | {mode} | {len(samples[c][mode])} | {m['tokens_per_second']:.1f} | {ratio} | {paired} | "
                 f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | {1000 * m['itl_p50']:.0f} / {1000 * m['itl_p99']:.0f} |"
             )
     return "\n".join(lines)
@@ -192,7 +214,11 @@ def main() -> None:
         "--policies",
         nargs="+",
         default=["default", "none"],
-        help="modes to compare: `default` (the server's default policy), `none` (no speculation), or any policy",
+        help="modes to compare: `default` (the server's default policy), `none` (no speculation), or any policy; "
+        "`POLICY@KERNELS` runs that server on other kernels (e.g. none@stock)",
+    )
+    parser.add_argument(
+        "--kernels", default=None, help="kernels of every server without an @KERNELS (default: the server's own)"
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests", type=int, default=4, help="requests per level (at least the concurrency)")
@@ -220,12 +246,13 @@ def main() -> None:
         "threads": args.threads,
         "max_tokens": args.max_tokens,
         "modes": args.policies,
+        "kernels": args.kernels,
         "complete": False,
     }
     try:
         for mode in args.policies:
-            log = logs / f"serve_{mode.replace(':', '_')}.log"
-            servers[mode] = start_server(None if mode == "default" else mode, args, log)
+            log = logs / f"serve_{mode.replace(':', '_').replace('@', '_')}.log"
+            servers[mode] = start_server(mode, args, log)
             print(f"started {mode} at {servers[mode][1]}", flush=True)
         for _, url in servers.values():  # warm-up: one short request each
             asyncio.run(load_level(url, 1, 1, 4))
