@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.cpu_packing import cpu_packing_enabled
-from ..model.kernels import KERNEL_MODES, explicit_kernels, use_kernels
+from ..model.kernels import KERNEL_MODES, build_exact_kernels, explicit_kernels, use_kernels
 from ..scheduling.policies import ScheduleContext, resolve_policy
 from . import draft_graphs
 from .caches import SlotKV, SlotRow
@@ -292,6 +292,7 @@ class DSparkEngine:
         self.cpu_packing = kernels == "packed"
         if kernels == "exact":
             self.layout = "padded"  # one row per request: each request's tokens are its own sequence
+            build_exact_kernels()  # now (a minute on first use, then cached), not inside the first request's round
         self._kernel_scope: contextlib.ExitStack | None = None  # the kernel mode, held while there is work
         if self.speculate:
             if draft.bound_target is not target:
