@@ -187,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
     files = report.save(args.output)
     print(report.to_markdown())
     print("wrote " + ", ".join(str(f) for f in files))
+
     def mismatched(key: str) -> list[str]:
         return [
             f"{method} on {set_name} ({', '.join(v['mismatched'])})"
@@ -197,8 +198,10 @@ def main(args: argparse.Namespace) -> int:
 
     kernels = report.config["kernels"]
     if kernels != "stock" and mismatched("greedy_identity"):  # a near-tie decided by the kernels: reported
-        print("note: greedy output differs from plain generate() on the stock kernels (a near-tie of two logits "
-              f"that the {kernels} kernels round the other way): " + "; ".join(mismatched("greedy_identity")))
+        print(
+            "note: greedy output differs from plain generate() on the stock kernels (a near-tie of two logits "
+            f"that the {kernels} kernels round the other way): " + "; ".join(mismatched("greedy_identity"))
+        )
     same = mismatched("greedy_identity_same_kernels")
     if same:  # speculation changed the output: a bug
         print(f"greedy output differs from plain generate() on the same ({kernels}) kernels: " + "; ".join(same))

@@ -110,7 +110,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # hooked, else asked of transformers (whose capturing hooks then stay on the target for good, ~3%/forward)
         self.recorder = getattr(draft, "_call_recorder", None)
         self.model_kwargs_overrides = (
-            {} if self.recorder is not None else {"output_hidden_states": hidden_states_request(self.config.target_layer_ids)}
+            {}
+            if self.recorder is not None
+            else {"output_hidden_states": hidden_states_request(self.config.target_layer_ids)}
         )
         if draft.draft_vocab_ids is not None and int(draft.draft_vocab_ids.min()) < 0:
             raise ValueError(

@@ -309,7 +309,12 @@ def _label(method: str) -> str:
     return _LABELS.get(method, method)
 
 
-_LABELS = {PLAIN: "plain", PROMPT_LOOKUP: "prompt lookup", PLAIN_PACKED: "plain (packed)", PLAIN_EXACT: "plain (exact kernels)"}
+_LABELS = {
+    PLAIN: "plain",
+    PROMPT_LOOKUP: "prompt lookup",
+    PLAIN_PACKED: "plain (packed)",
+    PLAIN_EXACT: "plain (exact kernels)",
+}
 
 
 def _speed_table(sets, summary: dict, macro: dict, temp: str, base: str, key: str, methods: list[str]) -> str:
@@ -337,9 +342,7 @@ def _markdown(report: EvalReport) -> str:
         f"policy `{_policy_text(c.get('policy'))}`{_resolved_policies(report)}, "
         f"max {c.get('max_new_tokens')} new tokens, {c.get('repeats')} timed repeat(s), seed {c.get('seed')}, "
         f"{c.get('torch_threads')} torch threads, speculative runs on the `{c.get('kernels', 'stock')}` kernels. "
-        "Prompts per set: "
-        + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items())
-        + ".",
+        "Prompts per set: " + ", ".join(f"{s} {n}" for s, n in c.get("sets", {}).items()) + ".",
         "",
         "τ = mean tokens per target forward (accepted drafts + the target's own token). Speedup = tokens/s over "
         "plain `generate()` on the stock kernels measured in this run, methods interleaved prompt by prompt.",
@@ -357,7 +360,9 @@ def _markdown(report: EvalReport) -> str:
                 continue
             rest = [m for m in others if m != base]
             same = mode == c.get("kernels")
-            why = " (the kernels speculative decoding uses here, so this is what speculation itself adds)" if same else ""
+            why = (
+                " (the kernels speculative decoding uses here, so this is what speculation itself adds)" if same else ""
+            )
             out += ["", f"Speedup over plain `generate()` on the {mode} kernels{why}:", ""]
             out.append(_speed_table(report.sets, summary, macro[temp], temp, base, f"speedup_vs_{mode}", rest))
         gamma = max(report.methods[d]["block_size"] for d in drafts)
@@ -391,7 +396,9 @@ def _markdown_quality(report: EvalReport) -> list[str]:
         "greedy_identity_same_kernels": f"Greedy identity with plain generate() on the same ({mode}) kernels "
         "(token exact match, must be 1.0)",
         "greedy_identity": "Greedy identity with plain generate() on the stock kernels (token exact match"
-        + ("; on other kernels it holds unless a near-tie of two logits falls differently)" if mode != "stock" else ")"),
+        + (
+            "; on other kernels it holds unless a near-tie of two logits falls differently)" if mode != "stock" else ")"
+        ),
     }
     for key, title in titles.items():
         if not q.get(key) or (key == "greedy_identity_same_kernels" and mode == "stock"):
@@ -512,7 +519,11 @@ def quality_checks(report: EvalReport, items: Mapping[str, Sequence[PromptItem]]
                 plain = report._select(set_name, "0", base)
                 for method in report.methods:
                     runs = report._select(set_name, "0", method)
-                    if method == base or not runs or (key != "greedy_identity" and method in (PLAIN, *PLAIN_ON.values())):
+                    if (
+                        method == base
+                        or not runs
+                        or (key != "greedy_identity" and method in (PLAIN, *PLAIN_ON.values()))
+                    ):
                         continue
                     scores = exact.compute(
                         predictions=[token_string(r.output_ids) for r in runs],

@@ -66,9 +66,7 @@ def load_app(
     config = config or ServeConfig()
     if config.model_name == ServeConfig.model_name:
         config.model_name = target or DEFAULT_TARGET_HUB_ID
-    logger.info(
-        "engine ready: policy %s, kernels %s, max_batch_size %d", engine.policy, engine.kernels, max_batch_size
-    )
+    logger.info("engine ready: policy %s, kernels %s, max_batch_size %d", engine.policy, engine.kernels, max_batch_size)
     return create_app(engine, config)
 
 
