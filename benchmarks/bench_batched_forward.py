@@ -14,12 +14,12 @@ are interleaved in every repeat; a figure is the median over repeats of the medi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _report import write_report
 from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_default_target
@@ -92,16 +92,7 @@ def main() -> None:
         print(f"{cell:>14}  {table['stock'][cell]:9.1f}  {table['exact'][cell]:9.1f}  "
               f"{table['stock'][cell] / table['exact'][cell]:.2f}")  # fmt: skip
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "command": "python benchmarks/bench_batched_forward.py" + (" --prefill" if args.prefill else ""),
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "steps": args.steps,
-            "prompt": PROMPT,
-            "torch": torch.__version__,
-        }
-        args.out.write_text(json.dumps({"meta": meta, "median_ms": table, "runs_ms": runs}, indent=2))
+        write_report(args.out, args, prompt=PROMPT, median_ms=table, runs_ms=runs)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ are checked by tests/test_kernels.py, not here.)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _report import write_report
 from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_default_target
@@ -77,16 +77,7 @@ def main() -> None:
         ratio = table["exact (transformers layers)"][rows] / table["exact (lean layers)"][rows]
         print(f"{rows:>4}  {cells}  {ratio:.2f}x")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "command": "python benchmarks/bench_lean_layers.py",
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "steps": args.steps,
-            "prompt": PROMPT,
-            "torch": torch.__version__,
-        }
-        args.out.write_text(json.dumps({"meta": meta, "median_ms": table, "runs_ms": runs}, indent=2))
+        write_report(args.out, args, prompt=PROMPT, median_ms=table, runs_ms=runs)
 
 
 if __name__ == "__main__":
