@@ -261,3 +261,34 @@ def test_lean_layers_survive_transformers_output_capturing_hooks():
         with torch.no_grad():
             out = target(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
     assert len(out.hidden_states) == target.config.num_hidden_layers + 1  # still captured through the layers
+
+
+def test_the_drafts_functional_linears_follow_its_kernel_mode(monkeypatch):
+    """The draft's subset LM head and Markov projection are functional linears: in the exact mode they run on
+    the exact kernel (its 2-16-row speed), outside it on F.linear; the mode's flags go when the block ends."""
+    target = make_target("llama", markov=True, dtype=torch.float32)
+    draft = make_aligned_draft(target, block_size=5)
+    draft.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
+    hidden = torch.randn(1, 5, target.config.hidden_size)
+    calls = []
+    real = kernels.exact_linear
+
+    def counting(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "exact_linear", counting)
+    with torch.no_grad():
+        stock = draft.draft_logits(hidden)
+        assert calls == []
+        with use_kernels(target, draft, mode="exact"):
+            with use_kernels(draft, mode="exact"):  # nested: the inner block leaves the outer one's flags alone
+                pass
+            exact = draft.draft_logits(hidden)
+            projected = draft.markov_head.project(torch.randn(5, draft.markov_head.rank), draft.draft_vocab_ids)
+        assert len(calls) == 2 and calls[0] == (target.config.vocab_size // 2, target.config.hidden_size)
+        assert projected.shape[-1] == target.config.vocab_size // 2
+        torch.testing.assert_close(exact, stock, rtol=1e-5, atol=1e-5)  # same product, another summation order
+        draft.draft_logits(hidden)
+    assert len(calls) == 2  # back on F.linear
+    assert not any(kernels._EXACT_FLAG in m.__dict__ for m in (*draft.modules(), *target.modules()))

@@ -17,10 +17,10 @@ columns of the `r × V` output projection are computed; training can use the sam
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .configuration import DSparkConfig
+from .kernels import mode_linear
 from .vocab import SubsetRows
 
 
@@ -61,7 +61,7 @@ class MarkovHead(nn.Module):
         """
         if vocab_ids is None:
             return self.markov_w2(features)
-        return F.linear(features, self._w2_rows(self.markov_w2.weight, vocab_ids))
+        return mode_linear(self, features, self._w2_rows(self.markov_w2.weight, vocab_ids))
 
     def step(
         self,

@@ -60,6 +60,7 @@ EXACT_ATTENTION = "dspark_exact"
 EXACT_MAX_ROWS = 512
 
 _MODE: str | None = None  # set_kernels(); None: environment / legacy packing flag / "stock"
+_EXACT_FLAG = "_dspark_exact_mode"  # set on every module of a model inside exact_kernels(); read by mode_linear
 _BACKEND: object | None = None  # the compiled extension, or False when it could not be built
 _BUILD_LOCK = threading.Lock()
 
@@ -224,6 +225,29 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     else:
         out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
     return out.reshape(*lead, weight.shape[0])
+
+
+def mode_linear(
+    owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a functional linear inside `owner`, on `owner`'s kernels: [`exact_linear`]
+    while `owner` runs in the exact mode (inside [`exact_kernels`]), `F.linear` otherwise.
+
+    The draft's LM-head rows and its Markov head's output projection are functional linears (they use cached
+    weight slices, not `nn.Linear` modules), so switching the modules alone leaves them on the stock kernel,
+    whose 2-16-row GEMM path re-packs the weight on every call: ~3.5x the exact kernel's time for the
+    8,192-row draft LM head on 7 rows (measured on the 2-core CPU of docs/cpu-packing.md). Only speed changes
+    for a draft: its tokens are verified either way.
+    """
+    if (
+        owner.__dict__.get(_EXACT_FLAG, False)
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return exact_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -462,6 +486,7 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
     _backend()  # build (or load) the kernels now, not inside the first forward
     _register_attention()
     changed: list[nn.Module] = []
+    flagged: list[nn.Module] = []
     attn: list[tuple[nn.Module, str]] = []
     try:
         for model in models:
@@ -485,6 +510,9 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 else []
             )
             for module in model.modules():
+                if not module.__dict__.get(_EXACT_FLAG, False):
+                    module.__dict__[_EXACT_FLAG] = True  # read by mode_linear
+                    flagged.append(module)
                 if _eligible(module):
                     module.forward = types.MethodType(_exact_forward, module)
                     changed.append(module)
@@ -496,6 +524,8 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
         for module in changed:
             if is_exact(module) or is_lean(module):
                 del module.forward
+        for module in flagged:
+            module.__dict__.pop(_EXACT_FLAG, None)
         for model, previous in reversed(attn):
             model.set_attn_implementation(previous)
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
@@ -41,6 +40,7 @@ from .configuration import DSparkConfig
 from .formats import read_deepspec_checkpoint
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
 from .hub import checkpoint_format, push_draft
+from .kernels import mode_linear
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
 from .speculators_format import read_speculators_checkpoint
 from .vocab import SubsetRows, validate_vocab_ids
@@ -299,7 +299,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return self.lm_head(hidden)[..., ids.to(hidden.device)]
         weight = self._head_rows(head.weight, ids)
         bias = self._head_bias_rows(head.bias, ids) if head.bias is not None else None
-        logits = F.linear(hidden.to(weight.dtype), weight, bias)
+        logits = mode_linear(self, hidden.to(weight.dtype), weight, bias)
         return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
