@@ -46,7 +46,11 @@ LOADS = [0, 4, 8, 16, 24, 32, 48, 64]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft", default=None, help="trained draft folder (default: a fresh draft)")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft name, folder or Hub id (default: the shipped DSpark draft; 'fresh' for an untrained one)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -153,7 +157,7 @@ def main() -> None:
     report = {
         "command": "python " + " ".join(sys.argv),
         "dspark_hf": dspark_hf.__version__,
-        "draft": args.draft or "fresh (untrained)",
+        "draft": args.draft or "the shipped DSpark draft",
         "threads": args.threads,
         "kernels": args.kernels,
         "temperature": args.temperature,

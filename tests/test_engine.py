@@ -122,12 +122,12 @@ def test_uniform_policy_skips_drafting_under_load_and_stays_exact(setups, monkey
     calls, at_draft = [], []
     real_draft_block = engine_module.draft_block
 
-    def draft_block(d, stores, anchors):  # when the draft drafts, its context is exactly the target's
+    def draft_block(d, stores, anchors, positions=None):  # when the draft drafts, its context is the target's
         rows = len(anchors)
         at_draft.append((stores.lengths[:rows], engine._kv.lengths[:rows]))
         assert at_draft[-1][0] == at_draft[-1][1], at_draft[-1]
         calls.append(rows)
-        return real_draft_block(d, stores, anchors)
+        return real_draft_block(d, stores, anchors, positions)
 
     monkeypatch.setattr(engine_module, "draft_block", draft_block)
     policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 1.0, 8: 1.0, 9: 50.0, 512: 60.0}), plain_samples=0)
@@ -418,3 +418,15 @@ def test_cancel_frees_the_slot_and_leaves_the_others_exact(setups):
     assert seen == {ids[0], ids[2]}
     assert outputs[ids[0]].token_ids == refs[0] and outputs[ids[2]].token_ids == refs[2]
     assert engine._reserved == 0 and engine.metrics.peak_active_requests == 2
+
+
+def test_a_length_fixed_before_drafting_drafts_only_those_positions(setups):
+    """`fixed:2` knows its length before drafting: the sequential head runs 2 positions, not the block's 5, and
+    the output is still the target's own."""
+    target, draft, work, refs = setups["qwen2"]
+    engine = DSparkEngine(target, draft, policy="fixed:2", max_batch_size=5)
+    outputs, _, _ = _run_with_joins(engine, work)
+    assert [o.token_ids for o in outputs] == refs
+    drafted = [len(r.drafted) for o in outputs for r in o.stats.rounds if r.drafted]
+    assert drafted and set(drafted) == {2}, drafted
+    assert engine.metrics.tau > 2.0  # an aligned draft: both drafted tokens mostly accepted

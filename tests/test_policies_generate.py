@@ -94,3 +94,18 @@ def test_sps_profile_validation():
         SPSProfile({1: 0.0})
     single = SPSProfile({4: 0.2})
     assert single.time(1) == 0.2 and single.time(8) == pytest.approx(0.4)
+
+
+def test_a_length_fixed_before_drafting_drafts_only_those_positions(pair):
+    """generate() with `fixed:2` drafts 2 positions per round (the block holds 6) and stays exact; with `fixed` it
+    drafts the whole block."""
+    target, draft, prompts, refs = pair
+    for policy, expected in (("fixed:2", {2}), ("fixed", {6})):
+        config = GenerationConfig(do_sample=False, max_new_tokens=19, dspark_policy=policy)
+        lengths = set()
+        for prompt, ref in zip(prompts[:6], refs[:6]):
+            out = target.generate(prompt, generation_config=config, assistant_model=draft)
+            assert torch.equal(out, ref), policy
+            budget_ok = [r for r in draft.last_generation_stats.rounds if r.drafted]
+            lengths |= {len(r.drafted) for r in budget_ok[:-2]}  # the last rounds may be cut by the budget
+        assert lengths == expected, (policy, lengths)

@@ -154,3 +154,28 @@ def test_appendix_a_control_uniform_from_current_survival_is_biased():
     sps = SPSProfile({1: 1.0, 2: 2.0, 3: 1 / 0.45}).sps
     dist = exact_first_token_distribution(lambda a: torch.tensor([uniform_length(a[0], 1, sps)]))
     torch.testing.assert_close(dist, torch.tensor([0.85, 0.15], dtype=torch.float64))
+
+
+def test_a_round_that_drafted_fewer_positions_updates_only_those():
+    """Drafting stops at the planned length: a short round's survival updates the positions it drafted and
+    leaves the others; positions never drafted continue the last estimate at the prior's rate."""
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 256: 0.1}), smoothing=0.5, plain_samples=0)
+    ctx = ScheduleContext()
+    policy.observe_round(ctx, rows=1, forward_tokens=3, rest_seconds=0.1, survival=torch.tensor([[0.8, 0.4]]))
+    torch.testing.assert_close(ctx.survival_estimate, torch.tensor([0.8, 0.4], dtype=torch.float64))
+    # planning over a block of 4: positions 3 and 4 are extrapolated from position 2 (0.4 · 0.7, 0.4 · 0.49)
+    assert policy.plan_length(1, 4, ctx) == 4  # free tokens, nothing measured against them
+    policy.observe_round(ctx, rows=1, forward_tokens=5, rest_seconds=0.1, survival=torch.tensor([[1.0, 0.8, 0.6, 0.4]]))
+    torch.testing.assert_close(ctx.survival_estimate, torch.tensor([0.9, 0.6, 0.6, 0.4], dtype=torch.float64))
+    policy.observe_round(ctx, rows=1, forward_tokens=2, rest_seconds=0.1, survival=torch.tensor([[0.5]]))
+    torch.testing.assert_close(ctx.survival_estimate, torch.tensor([0.7, 0.6, 0.6, 0.4], dtype=torch.float64))
+
+
+def test_fixed_policy_plans_its_length_before_drafting():
+    from dspark_hf.scheduling.policies import FixedPolicy
+
+    ctx = ScheduleContext()
+    assert FixedPolicy().plan_length(1, 7, ctx) is None  # the whole block: nothing to save
+    assert FixedPolicy(n=2).plan_length(1, 7, ctx) == 2
+    assert FixedPolicy(n=9).plan_length(1, 7, ctx) == 7
+    assert FixedPolicy(n=0).plan_length(1, 7, ctx) == 0  # a plain round

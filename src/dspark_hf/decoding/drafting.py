@@ -256,7 +256,9 @@ def _stacked_context(stores: list[KVStore], num_layers: int, past: int) -> list[
 
 
 @torch.no_grad()
-def draft_block(draft, stores, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_block(
+    draft, stores, anchors: torch.Tensor, positions: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One backbone forward over `[anchor_r, mask × (γ-1)]` for every row.
 
     Row `r`'s anchor sits at position `len(stores[r])` (the draft context holds every committed token);
@@ -266,12 +268,17 @@ def draft_block(draft, stores, anchors: torch.Tensor) -> tuple[torch.Tensor, tor
 
     Args:
         anchors (`torch.LongTensor` of shape `(R,)`): each row's last committed token, on the draft's device.
+        positions (`int`, *optional*): return only the block's first `positions` positions (a length the
+            policy fixed before drafting): the backbone still runs over the whole block, as in training (its
+            positions attend to one another), but the LM head and everything after it run on the positions
+            that can be verified only.
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: final states `[R, γ, d]` and base logits `[R, γ, K]` over the draft
-        vocabulary (`K = V` without a subset; see `DSparkDraftModel.draft_logits`).
+        `tuple[torch.Tensor, torch.Tensor]`: final states `[R, γ', d]` and base logits `[R, γ', K]` over the draft
+        vocabulary (`K = V` without a subset; see `DSparkDraftModel.draft_logits`), `γ' = min(γ, positions)`.
     """
     gamma = draft.config.block_size
+    keep = positions  # `positions` is reused below for the token positions
     device = draft.device
     rows = len(anchors)
     if isinstance(stores, SlotKV):  # the engine: slots 0..R-1 are the rows; their views, no copy
@@ -295,6 +302,8 @@ def draft_block(draft, stores, anchors: torch.Tensor) -> tuple[torch.Tensor, tor
         visible = (keys[None] < lens[:, None]) | (keys[None] >= past)  # own context, and the whole block
         mask = visible[:, None, None, :].expand(rows, 1, gamma, past + gamma)
     hidden = draft.run_backbone(draft.embed_tokens(block), positions, context, mask)
+    if keep is not None and keep < gamma:
+        hidden = hidden[:, :keep]
     return hidden, draft.draft_logits(hidden)
 
 

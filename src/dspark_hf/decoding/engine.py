@@ -590,7 +590,8 @@ class DSparkEngine:
                 block, scores = graphed
                 self.graph_rounds += 1
             else:
-                hidden, base = draft_block(self.draft, self._dkv, anchor_ids)
+                # only the positions a length fixed before drafting can verify (all of them without one)
+                hidden, base = draft_block(self.draft, self._dkv, anchor_ids, positions=context.planned_length)
                 t_head = time.perf_counter()
                 histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
                 sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)

@@ -164,7 +164,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 return input_ids, None
             t0 += self._ingest_pending()  # catching up on rounds that did not draft is not this round's cost
             anchors = input_ids[:, -1].to(self.draft.device)
-            block, scores, t1 = self._draft(input_ids, anchors)
+            block, scores, t1 = self._draft(input_ids, anchors, planned)
             tokens, logits = block.tokens[0], block.logits[0]
             host = read_round(block, scores)
             length = verified_lengths(self.policy, self.schedule_context, host, [gamma], [self.eos_token_ids])[0]
@@ -240,17 +240,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._features, self._features_pending = [], 0
         return (time.perf_counter() - start) * (1 - latest / feats.shape[0])
 
-    def _draft(self, input_ids: torch.LongTensor, anchors: torch.Tensor) -> tuple[DraftedBlock, BlockScores, float]:
+    def _draft(
+        self, input_ids: torch.LongTensor, anchors: torch.Tensor, planned: int | None = None
+    ) -> tuple[DraftedBlock, BlockScores, float]:
         """Steps 2–4 of the round: the block, its scores, and when the backbone finished (`perf_counter`).
 
         One graph replay when the graph path is on (the backbone's time then covers the launch only), else
-        [`draft_block`] and the sequential head eagerly.
+        [`draft_block`] and the sequential head eagerly, on the first `planned` positions only when the policy
+        fixed the length before drafting (the positions after it could never be verified).
         """
         if self.graphs is not None:
             graphed = self.graphs.run([self.store], anchors, self.generator)
             if graphed is not None:
                 return (*graphed, time.perf_counter())
-        hidden, base_logits = draft_block(self.draft, [self.store], anchors)
+        hidden, base_logits = draft_block(self.draft, [self.store], anchors, positions=planned)
         t1 = time.perf_counter()
         tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden[0], base_logits[0])
         block = DraftedBlock(tokens[None], logits[None], conf_logits[None] if conf_logits is not None else None)

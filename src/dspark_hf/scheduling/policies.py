@@ -277,6 +277,10 @@ class FixedPolicy(VerificationPolicy):
     name = "fixed"
     needs_confidence = False
 
+    def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int | None:
+        """`n` is known before drafting: only that many positions are drafted (`None`: the whole block)."""
+        return None if self.n is None else min(self.n, gamma)
+
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         return fixed_lengths(survival, survival.shape[-1] if self.n is None else self.n)
 
@@ -418,10 +422,14 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
         sps = _sps_fn(self.sps, context)
+        prior = self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
         estimate = context.survival_estimate
-        if estimate is None or estimate.numel() != gamma:
-            estimate = self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
-        elif context.predicted_accepted > 0:
+        if estimate is None:
+            estimate = prior
+        elif estimate.numel() != gamma:  # positions never drafted yet continue the last estimate at the prior's rate
+            known = estimate[:gamma]
+            estimate = torch.cat([known, known[-1] * prior[: gamma - known.numel()]])
+        if context.survival_estimate is not None and context.predicted_accepted > 0:
             # the confidences' calibration drifts with the traffic: rescale them by what was really accepted
             ratio = context.realized_accepted / context.predicted_accepted
             estimate = (estimate * ratio).clamp(max=1.0)
@@ -459,9 +467,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if survival is not None and survival.numel():
             matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
             mean = matrix.mean(dim=0)
-            old = context.survival_estimate
-            fresh = old is None or old.shape != mean.shape
-            context.survival_estimate = mean if fresh else (1 - self.smoothing) * old + self.smoothing * mean
+            context.survival_estimate = _blend(context.survival_estimate, mean, self.smoothing)
             if verified is not None and accepted is not None and sum(verified):
                 predicted = sum(float(matrix[r, :n].sum()) for r, n in enumerate(verified) if n)
                 keep = 1 - self.smoothing
@@ -474,6 +480,18 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             _remember(context.draft_seconds, rows, draft_seconds, self.window)
         _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
         _check_profile(self.sps, context, rows, tokens, rest_seconds)
+
+
+def _blend(old: torch.Tensor | None, mean: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """The running mean survival per position after a round whose mean is `mean`. A round may have drafted
+    fewer positions than earlier ones (only those its planned length could verify): the positions it did not
+    draft keep their estimate, and positions drafted for the first time start at the round's mean."""
+    if old is None:
+        return mean
+    n = min(old.numel(), mean.numel())
+    out = (old if old.numel() >= mean.numel() else mean).clone()
+    out[:n] = (1 - smoothing) * old[:n] + smoothing * mean[:n]
+    return out
 
 
 def _remember(table: dict, key, value: float, window: int) -> None:
