@@ -4,8 +4,11 @@ Builds `dspark_hf/model/exact_kernels.cpp` twice (`-DPREFETCH_TILES=0`, i.e. no 
 distances), checks that every build gives bit-identical outputs, then times the 30 layers' linears plus the
 49,152-row LM head (about 540 MB of fp32 weights, far more than the CPU's caches, as in a real forward) at
 1, 4, 8 and 16 rows, next to stock `F.linear`; builds and row counts interleaved in every repeat, medians.
+`--baseline-rev REV` adds the kernel source of a git revision (default prefetch), to time a change of the
+kernel's tiling against the code before it; its outputs are checked bit-identical too.
 
     python benchmarks/bench_exact_prefetch.py --distances 2 4 8 --repeats 5 --threads 2
+    python benchmarks/bench_exact_prefetch.py --distances 4 --rows 1 2 3 4 5 8 --baseline-rev 14e1650
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +30,9 @@ from dspark_hf.model.kernels import _build_flags
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "dspark_hf" / "model" / "exact_kernels.cpp"
 
 
-def build(distance: int, root: Path):
-    flags = [*_build_flags(), f"-DPREFETCH_TILES={distance}"]
-    source = SOURCE.read_text()
+def build(distance: int | None, root: Path, source: str | None = None):
+    flags = [*_build_flags()] + ([] if distance is None else [f"-DPREFETCH_TILES={distance}"])
+    source = SOURCE.read_text() if source is None else source
     name = "bench_exact_" + hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:10]
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,20 +48,32 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline-rev", default=None, help="also time the kernel source of this git revision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="bench_exact_prefetch_"))
     builds = {f"prefetch {d}": build(d, root) for d in [0, *args.distances]}
+    if args.baseline_rev:
+        path = SOURCE.relative_to(SOURCE.parents[3]).as_posix()
+        old = subprocess.run(
+            ["git", "show", f"{args.baseline_rev}:{path}"],
+            cwd=SOURCE.parents[3],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        builds[f"at {args.baseline_rev}"] = build(None, root, old)
     torch.manual_seed(0)
     weights = []
     for _ in range(30):  # q, k, v, o, gate, up, down of SmolLM2-135M
         weights += [torch.randn(576, 576), torch.randn(192, 576), torch.randn(192, 576), torch.randn(576, 576)]
         weights += [torch.randn(1536, 576), torch.randn(1536, 576), torch.randn(576, 1536)]
     weights.append(torch.randn(49152, 576))  # the LM head
-    x = torch.randn(8, 576)
-    reference = builds["prefetch 0"].linear(x, weights[-1], None)
-    for name, ext in builds.items():
-        assert torch.equal(ext.linear(x, weights[-1], None), reference), f"{name} changed the results"
+    for m in sorted({1, 2, 3, 5, 8, *args.rows}):
+        x = torch.randn(m, 576)
+        reference = builds["prefetch 0"].linear(x, weights[-1], None)
+        for name, ext in builds.items():
+            assert torch.equal(ext.linear(x, weights[-1], None), reference), f"{name} changed the results ({m} rows)"
     methods = {"stock F.linear": lambda x, w: F.linear(x, w)}
     methods.update({name: (lambda e: lambda x, w: e.linear(x, w, None))(ext) for name, ext in builds.items()})
     times: dict = {}
