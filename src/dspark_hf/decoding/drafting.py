@@ -278,7 +278,6 @@ def draft_block(
         vocabulary (`K = V` without a subset; see `DSparkDraftModel.draft_logits`), `γ' = min(γ, positions)`.
     """
     gamma = draft.config.block_size
-    keep = positions  # `positions` is reused below for the token positions
     device = draft.device
     rows = len(anchors)
     if isinstance(stores, SlotKV):  # the engine: slots 0..R-1 are the rows; their views, no copy
@@ -293,17 +292,17 @@ def draft_block(
     block[:, 0] = anchors.to(device)
     offsets = torch.arange(gamma, device=device)
     if min(lengths) == past:  # every row sees its whole context: no mask needed
-        positions = (offsets + past)[None].expand(rows, gamma)
+        token_positions = (offsets + past)[None].expand(rows, gamma)
         mask = None
     else:
         lens = torch.tensor(lengths, device=device)
-        positions = lens[:, None] + offsets
+        token_positions = lens[:, None] + offsets
         keys = torch.arange(past + gamma, device=device)
         visible = (keys[None] < lens[:, None]) | (keys[None] >= past)  # own context, and the whole block
         mask = visible[:, None, None, :].expand(rows, 1, gamma, past + gamma)
-    hidden = draft.run_backbone(draft.embed_tokens(block), positions, context, mask)
-    if keep is not None and keep < gamma:
-        hidden = hidden[:, :keep]
+    hidden = draft.run_backbone(draft.embed_tokens(block), token_positions, context, mask)
+    if positions is not None and positions < gamma:
+        hidden = hidden[:, :positions]
     return hidden, draft.draft_logits(hidden)
 
 
