@@ -149,6 +149,51 @@ def test_feature_cache_gives_the_same_training_as_online(tiny, tmp_path, monkeyp
     assert again.eval_metrics == cached.eval_metrics
 
 
+def test_a_feature_cache_stores_the_log_partition_so_a_subset_run_never_computes_it(tiny, tmp_path, monkeypatch):
+    """Over a draft vocabulary subset the label needs the full vocabulary's log-partition at each trained
+    position: a cached run reads it from the cache (computed once per token at build time) and trains as the
+    online run does, up to float rounding (the cache computes it in other groups of rows)."""
+    _, data = tiny
+    target = make_chat_target()
+    ds = load_token_dataset(str(data))
+    common = dict(max_steps=3, learning_rate=0.01, report_to="none", progress=False)
+    model_args = ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16, draft_vocab_size=24)
+    online = train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25),
+        TrainArguments(output_dir=str(tmp_path / "online"), **common),
+        target=target,
+        train_dataset=ds,
+    )
+    cache_root = tmp_path / "cache"
+    real = features_mod.target_log_partition
+    features_mod.FeatureCache.build(target, ds, list(online.model.config.target_layer_ids), cache_root, progress=False)
+    stored = features_mod.FeatureCache(next(cache_root.iterdir()))
+    for i in range(len(stored)):
+        _, final, log_z = stored.get(i)
+        everywhere = torch.arange(final.shape[0])[None]
+        torch.testing.assert_close(log_z, real(target, final[None], everywhere)[0], rtol=0, atol=1e-5)
+
+    def boom(*a, **kw):
+        raise AssertionError("the full-vocabulary log-partition was recomputed although cached")
+
+    monkeypatch.setattr(features_mod, "target_log_partition", boom)
+    cached = train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
+        TrainArguments(output_dir=str(tmp_path / "cached"), **common),
+        target=target,
+        train_dataset=ds,
+    )
+    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    online_losses, cached_losses = read("online"), read("cached")
+    assert [x["step"] for x in online_losses] == [x["step"] for x in cached_losses]
+    for a, b in zip(online_losses, cached_losses):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+    for key, value in online.eval_metrics.items():
+        assert cached.eval_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_dflash_baseline_and_only_draft_parameters_train(tiny, tmp_path):
     _, data = tiny
     target = make_chat_target()

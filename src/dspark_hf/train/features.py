@@ -7,16 +7,18 @@ from one forward pass of the target's decoder:
 * **online** (default): [`target_features`] runs the target on every micro-batch. Nothing is written to
   disk; the cost is one target forward per sequence per step.
 * **cached**: [`FeatureCache.build`] runs the target once over a dataset and stores both tensors in
-  safetensors shards; later runs (other hyper-parameters, baselines) read them back instead of running the
-  target. Per token that is `(m + 1)·d` values (≈ 14 KB for SmolLM2-135M in fp32, ≈ 30 KB for Qwen3-4B in
-  bf16), so it pays off only for repeated runs over the same data.
+  safetensors shards, with the full-vocabulary log-partition at every token (below); later runs (other
+  hyper-parameters, baselines, further epochs) read them back instead of running the target. Per token that
+  is `(m + 1)·d + 1` values (≈ 14 KB for SmolLM2-135M in fp32, ≈ 30 KB for Qwen3-4B in bf16), so it pays
+  off only for repeated runs over the same data.
 
 The LM head is applied only at the positions that are actually trained ([`target_logits`]), never to the
 whole `[T, V]` sequence. With a draft vocabulary subset `S` the logits are computed over `S` only, and the
 full vocabulary enters through one number per position, its log-partition `log Σ_v exp(z_v)`
 ([`target_log_partition`]): `p_v = exp(z_v − log Z)` for `v ∈ S` is then the target's *full* distribution
 restricted to `S` (it sums to the target's mass on `S`, not to 1), which is what verification compares the
-draft with.
+draft with. A feature cache stores that log-partition per token, so a cached run never computes the
+full-vocabulary head: on a CPU it is the largest single cost of a step over a subset (see the training guide).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from .._transformers import hidden_states_request, model_name, selected_hidden_s
 from .data import TokenDataset
 
 # transformers >= 5.23 returns only the requested hidden states (the others as None), which saves memory.
-_CACHE_FORMAT = 1
+# Format 2 adds the full-vocabulary log-partition per token.
+_CACHE_FORMAT = 2
 
 
 @dataclass
@@ -44,10 +47,13 @@ class TargetFeatures:
     Args:
         context (`torch.Tensor` of shape `(B, T, m·d)`): concatenated raw outputs of the selected layers.
         final (`torch.Tensor` of shape `(B, T, d)`): the final (post-norm) hidden state.
+        log_partition (`torch.Tensor` of shape `(B, T)`, *optional*): the LM head's full-vocabulary
+            log-partition at every position, where it was computed ahead (a feature cache); else `None`.
     """
 
     context: torch.Tensor
     final: torch.Tensor
+    log_partition: torch.Tensor | None = None
 
 
 def _decoder(target):
@@ -112,6 +118,21 @@ def target_log_partition(
     return values[inverse.to(values.device)].reshape(positions.shape)
 
 
+def log_partition_at(feats: TargetFeatures, target, positions: torch.Tensor) -> torch.Tensor:
+    """The full-vocabulary log-partition at `positions` (`[B, S]`) → `[B, S]`, fp32: read from `feats` where a
+    feature cache stored it, else computed ([`target_log_partition`])."""
+    if feats.log_partition is None:
+        return target_log_partition(target, feats.final, positions)
+    return torch.gather(feats.log_partition, 1, positions.to(feats.log_partition.device)).float()
+
+
+def sequence_log_partition(target, final: torch.Tensor, *, chunk_size: int = 256) -> torch.Tensor:
+    """The full-vocabulary log-partition at every position of one sequence's final hidden states `[T, d]` → `[T]`."""
+    return torch.cat(
+        [_log_partition_rows(target, final[i : i + chunk_size]) for i in range(0, final.shape[0], chunk_size)]
+    )
+
+
 def _log_partition_rows(target, rows: torch.Tensor) -> torch.Tensor:
     """`log Σ_v exp(z_v)` of the LM head's logits for final hidden states `rows` (`[n, d]`) → `[n]`, fp32."""
     head = target.get_output_embeddings()
@@ -119,21 +140,27 @@ def _log_partition_rows(target, rows: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
-def pad_features(items: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> TargetFeatures:
-    """Stack per-sequence `(context [T_i, m·d], final [T_i, d])` into right-padded batch tensors of `length`."""
+def pad_features(items: list[tuple[torch.Tensor, ...]], length: int) -> TargetFeatures:
+    """Stack per-sequence `(context [T_i, m·d], final [T_i, d])` (optionally with `log_partition [T_i]` third)
+    into right-padded batch tensors of `length`."""
     ctx = items[0][0].new_zeros(len(items), length, items[0][0].shape[-1])
     fin = items[0][1].new_zeros(len(items), length, items[0][1].shape[-1])
-    for b, (c, f) in enumerate(items):
+    with_log_z = all(len(item) > 2 and item[2] is not None for item in items)
+    log_z = items[0][0].new_zeros(len(items), length, dtype=torch.float32) if with_log_z else None
+    for b, item in enumerate(items):
+        c, f = item[0], item[1]
         ctx[b, : c.shape[0]] = c
         fin[b, : f.shape[0]] = f
-    return TargetFeatures(context=ctx, final=fin)
+        if log_z is not None:
+            log_z[b, : c.shape[0]] = item[2]
+    return TargetFeatures(context=ctx, final=fin, log_partition=log_z)
 
 
 class FeatureCache:
     """Target features of one dataset on disk: `index.json` plus `shard-NNNNN.safetensors` files.
 
-    Each shard holds `context` `[ΣT, m·d]`, `final` `[ΣT, d]` and `offsets` for `shard_size` consecutive
-    sequences. Shards and the index are written atomically (temporary file, then rename), so an interrupted
+    Each shard holds `context` `[ΣT, m·d]`, `final` `[ΣT, d]`, `log_partition` `[ΣT]` (the LM head's
+    full-vocabulary log-partition at every token, fp32) and `offsets` for `shard_size` consecutive sequences. Shards and the index are written atomically (temporary file, then rename), so an interrupted
     build resumes with the shards that are complete. The folder name is a key over the data, the target, the
     layer ids and the dtype, so a changed input never reads stale features.
 
@@ -163,12 +190,14 @@ class FeatureCache:
             self._offsets[k] = handle.get_tensor("offsets").tolist()
         return self._handles[k], self._offsets[k]
 
-    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(context [T, m·d], final [T, d])` of sequence `index`."""
+    def get(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(context [T, m·d], final [T, d], log_partition [T])` of sequence `index` (`log_partition` is `None`
+        in a cache of format 1, which did not store it)."""
         k, row = divmod(index, self.index["shard_size"])
         handle, offsets = self._shard(k)
         lo, hi = offsets[row], offsets[row + 1]
-        return handle.get_slice("context")[lo:hi], handle.get_slice("final")[lo:hi]
+        log_z = handle.get_slice("log_partition")[lo:hi] if self.index.get("format", 1) >= 2 else None
+        return handle.get_slice("context")[lo:hi], handle.get_slice("final")[lo:hi], log_z
 
     @staticmethod
     def key(dataset: TokenDataset, target, layer_ids: list[int]) -> str:
@@ -191,7 +220,9 @@ class FeatureCache:
         """Compute (or reuse) the cache of `dataset` under `root/<key>/` and open it.
 
         Sequences are run through the target one at a time (no padding, so the features are exactly the
-        ones an online run computes for a batch of one).
+        ones an online run computes for a batch of one). The full-vocabulary log-partition is computed at every
+        token, 256 rows at a time (an online run computes it only at trained positions, in other groups of
+        rows: the same values up to float rounding).
         """
         from safetensors.torch import save_file
         from tqdm.auto import tqdm
@@ -209,17 +240,19 @@ class FeatureCache:
             if path.exists():
                 bar.update(len(rows))
                 continue
-            ctx, fin, offsets = [], [], [0]
+            ctx, fin, log_z, offsets = [], [], [], [0]
             for i in rows:
                 ids, _ = dataset[i]
                 feats = target_features(target, layer_ids, ids[None].to(device))
                 ctx.append(feats.context[0].cpu())
                 fin.append(feats.final[0].cpu())
+                log_z.append(sequence_log_partition(target, feats.final[0]).cpu())
                 offsets.append(offsets[-1] + ids.numel())
                 bar.update(1)
             tensors = {
                 "context": torch.cat(ctx).contiguous(),
                 "final": torch.cat(fin).contiguous(),
+                "log_partition": torch.cat(log_z).contiguous(),
                 "offsets": torch.tensor(offsets, dtype=torch.long),
             }
             _atomic(path, lambda tmp, t=tensors: save_file(t, tmp))

@@ -31,7 +31,7 @@ from ..model.vocab import frequent_token_ids
 from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, require
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset
-from .features import FeatureCache, pad_features, target_features, target_log_partition, target_logits
+from .features import FeatureCache, log_partition_at, pad_features, target_features, target_logits
 from .losses import IGNORE_INDEX, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
@@ -140,6 +140,8 @@ class _BlockStep:
         else:
             feats = pad_features([cache.get(i) for i, _ in items], length)
             feats.context, feats.final = feats.context.to(device), feats.final.to(device)
+            if feats.log_partition is not None:
+                feats.log_partition = feats.log_partition.to(device)
         blocks = build_blocks(input_ids, loss_mask, anchors, self.gamma, self.mask_token_id)
         subset = self.vocab_ids is not None
         with self.autocast():
@@ -152,8 +154,9 @@ class _BlockStep:
                 **({"restrict_vocab": True} if subset else {}),
             )
         t_logits = target_logits(self.target, feats.final, blocks.target_positions, self.vocab_ids)
-        # Over a subset, the full vocabulary's log-partition makes p the target's full distribution on it.
-        log_z = target_log_partition(self.target, feats.final, blocks.target_positions) if subset else None
+        # Over a subset, the full vocabulary's log-partition makes p the target's full distribution on it
+        # (a feature cache stored it per token; online it is computed at the trained positions).
+        log_z = log_partition_at(feats, self.target, blocks.target_positions) if subset else None
         labels = self.label_index.to(blocks.labels.device)[blocks.labels] if subset else blocks.labels
         a = self.train_args
         loss = dspark_loss(
