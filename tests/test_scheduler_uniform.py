@@ -110,11 +110,40 @@ def test_survival_is_rescaled_by_what_was_really_accepted():
     assert (ctx.predicted_accepted, ctx.realized_accepted) == (pytest.approx(3.6), 3.0)
     policy.observe_round(ctx, **kwargs, verified=[3, 1], accepted=[0, 0])  # 2.6 promised, none delivered
     assert ctx.predicted_accepted == pytest.approx(0.5 * 3.6 + 2.6) and ctx.realized_accepted == 1.5
-    # a third of the promise delivered: 3 drafts per request no longer pay for 80 ms of drafting
-    ctx.draft_seconds = {2: [0.08]}
+    # (1.5 + 1) / (4.4 + 1) of the promise delivered (one accepted draft's worth of prior for calibration):
+    # 3 drafts per request no longer pay for 120 ms of drafting (Θ(3) = 2 · 1.83 / 0.22 < Θ(0) = 2 / 0.1)
+    ctx.draft_seconds = {2: [0.12]}
     assert policy.plan_length(2, 3, ctx) == 0
-    ctx.predicted_accepted = ctx.realized_accepted  # a calibrated head: the whole block pays
+    ctx.predicted_accepted = ctx.realized_accepted  # a calibrated head: the whole block pays (2 · 2.8 / 0.22)
     assert policy.plan_length(2, 3, ctx) == 3
+
+
+@pytest.mark.parametrize("prior_weight, idle_decay, tries_again", [(1.0, 0.95, True), (0.0, 1.0, False)])
+def test_a_few_unlucky_rounds_do_not_stop_drafting_for_good(prior_weight, idle_decay, tries_again):
+    """Rounds that happened to accept nothing must not lock the policy at `L = 0`: only drafting rounds add
+    evidence, so with the bare ratio (the control, `prior_weight=0, idle_decay=1`) it would never draft again,
+    however good the draft. With the pseudo-count and the evidence fading in plain rounds it drafts again."""
+    policy = UniformHardwareAwarePolicy(
+        sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=0, prior_weight=prior_weight, idle_decay=idle_decay
+    )
+    ctx = ScheduleContext()
+    survival = torch.tensor([[0.5, 0.25, 0.125]])
+    assert policy.plan_length(1, 3, ctx) == 3  # confidences taken at their word, drafting is cheap
+    for _ in range(3):  # three unlucky rounds in a row (one in 8 for calibrated confidences of 0.5)
+        policy.observe_round(
+            ctx, rows=1, forward_tokens=4, rest_seconds=0.1, draft_seconds=0.04, survival=survival, verified=[3],
+            accepted=[0],
+        )  # fmt: skip
+    assert policy.plan_length(1, 3, ctx) == 0  # the evidence now says the confidences overstate by far
+    plans = []
+    for _ in range(60):  # plain rounds
+        plans.append(policy.plan_length(1, 3, ctx))
+        if plans[-1]:
+            break
+        policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    assert (plans[-1] > 0) is tries_again, plans
+    if tries_again:
+        assert len(plans) < 40, len(plans)  # within a few dozen rounds
 
 
 def test_policy_keeps_a_window_of_timings():

@@ -216,7 +216,8 @@ class ScheduleContext:
             included) per `(requests, tokens computed)`.
         since_plain (`dict[int, int]`): rounds since the last plain round, per number of requests.
         predicted_accepted, realized_accepted (`float`): drafted tokens expected to be accepted from the
-            survival probabilities, and accepted in fact, over recent rounds (decayed sums).
+            survival probabilities, and accepted in fact, over recent rounds (decayed sums; they also fade in
+            rounds that do not draft, so old evidence does not rule for good).
         planned_length (`int`, *optional*): the length a policy fixed before this round's drafting.
     """
 
@@ -402,6 +403,13 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     plain rounds. When no length pays for the draft, `L = 0` and the round skips drafting altogether, so
     under heavy load it costs about what plain decoding costs.
 
+    The rescaling ratio is `(realized + prior_weight) / (predicted + prior_weight)`: `prior_weight` drafts'
+    worth of evidence that the confidences are calibrated. Without it, a few drafting rounds that happened to
+    accept nothing made the ratio 0, every later plan `L = 0`, and, since only drafting rounds add evidence,
+    the policy never drafted again whatever the draft could do. Rounds that do not draft also fade the
+    evidence (by `idle_decay` each), so a ratio learned long ago drifts back towards the confidences' own
+    promise and is tested again by a drafting round once that promise pays.
+
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
     Args:
@@ -411,6 +419,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         plain_samples (`int`, *optional*, defaults to 3): plain rounds measured at a batch size before drafting.
         refresh_every (`int`, *optional*, defaults to 16): after this many drafting rounds at a batch size, one
             plain round re-measures the alternative (the machine's load drifts).
+        prior_weight (`float`, *optional*, defaults to 1.0): pseudo-count, in accepted drafts, of calibrated
+            confidences in the rescaling ratio (`0`: the bare ratio, which can lock at 0).
+        idle_decay (`float`, *optional*, defaults to 0.95): factor on the ratio's evidence per round that did
+            not draft (`1`: evidence changes only when drafting).
     """
 
     prior: float = 0.7
@@ -418,6 +430,8 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     window: int = 16
     plain_samples: int = 3
     refresh_every: int = 16
+    prior_weight: float = 1.0
+    idle_decay: float = 0.95
     name = "hardware_aware_uniform"
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
@@ -429,9 +443,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         elif estimate.numel() != gamma:  # positions never drafted yet continue the last estimate at the prior's rate
             known = estimate[:gamma]
             estimate = torch.cat([known, known[-1] * prior[: gamma - known.numel()]])
-        if context.survival_estimate is not None and context.predicted_accepted > 0:
+        predicted = context.predicted_accepted + self.prior_weight
+        if context.survival_estimate is not None and predicted > 0:
             # the confidences' calibration drifts with the traffic: rescale them by what was really accepted
-            ratio = context.realized_accepted / context.predicted_accepted
+            ratio = (context.realized_accepted + self.prior_weight) / predicted
             estimate = (estimate * ratio).clamp(max=1.0)
         plain = context.round_seconds.get((rows, rows + self.background_tokens + context.background_tokens), [])
         if len(plain) < self.plain_samples or context.since_plain.get(rows, 0) >= self.refresh_every:
@@ -464,6 +479,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         verified=None,
         accepted=None,
     ) -> None:
+        drafted = survival is not None and survival.numel() and verified is not None and sum(verified) > 0
+        if not drafted:  # evidence fades while the policy does not draft, so an old verdict is tried again
+            context.predicted_accepted *= self.idle_decay
+            context.realized_accepted *= self.idle_decay
         if survival is not None and survival.numel():
             matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
             mean = matrix.mean(dim=0)
