@@ -160,8 +160,9 @@ class FeatureCache:
     """Target features of one dataset on disk: `index.json` plus `shard-NNNNN.safetensors` files.
 
     Each shard holds `context` `[ΣT, m·d]`, `final` `[ΣT, d]`, `log_partition` `[ΣT]` (the LM head's
-    full-vocabulary log-partition at every token, fp32) and `offsets` for `shard_size` consecutive sequences. Shards and the index are written atomically (temporary file, then rename), so an interrupted
-    build resumes with the shards that are complete. The folder name is a key over the data, the target, the
+    full-vocabulary log-partition at every token, fp32) and `offsets` for `shard_size` consecutive sequences.
+    Shards and the index are written atomically (temporary file, then rename), so an interrupted build resumes
+    with the shards that are complete. The folder name is a key over the data, the target, the
     layer ids and the dtype, so a changed input never reads stale features.
 
     Args:
