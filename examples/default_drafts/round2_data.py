@@ -52,6 +52,12 @@ s.add_argument(
     help="round 1's training data (both stages), or 'none' to hold out a slice of round 2's conversations instead",
 )
 s.add_argument("--round2", default="data/regenerated_round2.jsonl")
+s.add_argument(
+    "--first",
+    type=int,
+    default=None,
+    help="use only round 2's first N conversations (the run under way stopped prepare-data at 3,648)",
+)
 s.add_argument("--train-output", default="data/train_round2.jsonl")
 s.add_argument("--eval-output", default="data/eval_round1.jsonl")
 s.add_argument("--eval-ratio", type=float, default=0.02, help="round 1's eval_ratio (or round 2's, with none)")
@@ -74,7 +80,7 @@ if args.command == "prompts":
     print(f"wrote {len(rows)} prompts to {out} ({counts})")
 elif args.round1 == "none":
     with open(args.round2, encoding="utf-8") as f:
-        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()][: args.first]
     order = list(range(len(lines)))
     random.Random(args.seed).shuffle(order)
     held = set(order[: max(1, round(args.eval_ratio * len(lines)))])
@@ -95,7 +101,7 @@ else:
             held = any(tuple(q["input_ids"][: args.max_seq_len]) in wanted for q in seqs)
             (eval_lines if held else train_lines).append(line if line.endswith("\n") else line + "\n")
     with open(args.round2, encoding="utf-8") as f:
-        train_lines += [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+        train_lines += [line if line.endswith("\n") else line + "\n" for line in f if line.strip()][: args.first]
     Path(args.train_output).write_text("".join(train_lines), encoding="utf-8")
     Path(args.eval_output).write_text("".join(eval_lines), encoding="utf-8")
     print(f"wrote {len(train_lines)} records to {args.train_output}, {len(eval_lines)} to {args.eval_output}")
