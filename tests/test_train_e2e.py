@@ -106,29 +106,32 @@ def test_prepare_train_save_load_generate_lossless(tiny, tmp_path):
     assert draft.last_generation_stats.num_rounds > 0
 
 
+def _train_tiny(tmp_path, name, model_args, target, ds, feature_cache=None):
+    """Three steps on the tiny data (a quarter held out), written to `tmp_path / name`."""
+    return train(
+        model_args,
+        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=feature_cache),
+        TrainArguments(
+            output_dir=str(tmp_path / name), max_steps=3, learning_rate=0.01, report_to="none", progress=False
+        ),
+        target=target,
+        train_dataset=ds,
+    )
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_feature_cache_gives_the_same_training_as_online(tiny, tmp_path, monkeypatch):
     _, data = tiny
     target = make_chat_target()
     ds = load_token_dataset(str(data))
-    common = dict(max_steps=3, learning_rate=0.01, report_to="none", progress=False)
     model_args = ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16)
-    online = train(
-        model_args,
-        DataArguments(num_anchors=16, eval_ratio=0.25),
-        TrainArguments(output_dir=str(tmp_path / "online"), **common),
-        target=target,
-        train_dataset=ds,
-    )
+    online = _train_tiny(tmp_path, "online", model_args, target, ds)
     cache_root = tmp_path / "cache"
-    cached = train(
-        model_args,
-        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
-        TrainArguments(output_dir=str(tmp_path / "cached"), **common),
-        target=target,
-        train_dataset=ds,
-    )
-    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    losses = lambda d: [(x["step"], x["loss"], x.get("tau_est")) for x in read(d)]  # noqa: E731
+    cached = _train_tiny(tmp_path, "cached", model_args, target, ds, str(cache_root))
+    losses = lambda d: [(x["step"], x["loss"], x.get("tau_est")) for x in _metrics(tmp_path / d)]  # noqa: E731
     assert losses("online") == losses("cached")
     assert online.eval_metrics == cached.eval_metrics
     shards = sorted(p.name for p in cache_root.rglob("*.safetensors"))
@@ -139,13 +142,7 @@ def test_feature_cache_gives_the_same_training_as_online(tiny, tmp_path, monkeyp
         raise AssertionError("target features recomputed although cached")
 
     monkeypatch.setattr(features_mod, "target_features", boom)
-    again = train(
-        model_args,
-        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
-        TrainArguments(output_dir=str(tmp_path / "again"), **common),
-        target=target,
-        train_dataset=ds,
-    )
+    again = _train_tiny(tmp_path, "again", model_args, target, ds, str(cache_root))
     assert again.eval_metrics == cached.eval_metrics
 
 
@@ -156,15 +153,8 @@ def test_a_feature_cache_stores_the_log_partition_so_a_subset_run_never_computes
     _, data = tiny
     target = make_chat_target()
     ds = load_token_dataset(str(data))
-    common = dict(max_steps=3, learning_rate=0.01, report_to="none", progress=False)
     model_args = ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16, draft_vocab_size=24)
-    online = train(
-        model_args,
-        DataArguments(num_anchors=16, eval_ratio=0.25),
-        TrainArguments(output_dir=str(tmp_path / "online"), **common),
-        target=target,
-        train_dataset=ds,
-    )
+    online = _train_tiny(tmp_path, "online", model_args, target, ds)
     cache_root = tmp_path / "cache"
     real = features_mod.target_log_partition
     features_mod.FeatureCache.build(target, ds, list(online.model.config.target_layer_ids), cache_root, progress=False)
@@ -178,15 +168,8 @@ def test_a_feature_cache_stores_the_log_partition_so_a_subset_run_never_computes
         raise AssertionError("the full-vocabulary log-partition was recomputed although cached")
 
     monkeypatch.setattr(features_mod, "target_log_partition", boom)
-    cached = train(
-        model_args,
-        DataArguments(num_anchors=16, eval_ratio=0.25, feature_cache=str(cache_root)),
-        TrainArguments(output_dir=str(tmp_path / "cached"), **common),
-        target=target,
-        train_dataset=ds,
-    )
-    read = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    online_losses, cached_losses = read("online"), read("cached")
+    cached = _train_tiny(tmp_path, "cached", model_args, target, ds, str(cache_root))
+    online_losses, cached_losses = _metrics(tmp_path / "online"), _metrics(tmp_path / "cached")
     assert [x["step"] for x in online_losses] == [x["step"] for x in cached_losses]
     for a, b in zip(online_losses, cached_losses):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)

@@ -114,7 +114,7 @@ def target_log_partition(
     flat = (torch.arange(bsz, device=positions.device)[:, None] * seq_len + positions).reshape(-1)
     unique, inverse = torch.unique(flat, return_inverse=True)
     rows = final.reshape(bsz * seq_len, hidden)[unique.to(final.device)]
-    values = torch.cat([_log_partition_rows(target, rows[i : i + chunk_size]) for i in range(0, len(rows), chunk_size)])
+    values = sequence_log_partition(target, rows, chunk_size=chunk_size)
     return values[inverse.to(values.device)].reshape(positions.shape)
 
 
@@ -127,7 +127,8 @@ def log_partition_at(feats: TargetFeatures, target, positions: torch.Tensor) -> 
 
 
 def sequence_log_partition(target, final: torch.Tensor, *, chunk_size: int = 256) -> torch.Tensor:
-    """The full-vocabulary log-partition at every position of one sequence's final hidden states `[T, d]` → `[T]`."""
+    """The full-vocabulary log-partition at every row of final hidden states `[T, d]` (one sequence's, or any
+    gathered rows) → `[T]`, `chunk_size` rows at a time: the `[chunk_size, V]` logits are the largest tensor."""
     return torch.cat(
         [_log_partition_rows(target, final[i : i + chunk_size]) for i in range(0, final.shape[0], chunk_size)]
     )
