@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspark_hf import cli
+from dspark_hf.model.kernels import exact_kernels_build
 from dspark_hf.scheduling import sps
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, ScheduleContext, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile, get_sps_profile, monotone_fit, profile_sps, stale_reason
@@ -80,6 +81,9 @@ def _fresh_meta(**changes):
         ({"transformers": "4.0.0"}, "transformers 4.0.0"),
         ({"inconsistent": {"median_live_over_profile": 3.1}}, "inconsistent with live round times"),
         ({"measured_at_epoch": time.time() - 30 * 24 * 3600}, "h old"),
+        ({"kernels": "exact", "kernels_build": "cpp-0123456789ab"}, "another build of the exact kernels"),
+        ({"kernels": "exact"}, "another build of the exact kernels"),  # a profile from before builds were recorded
+        ({"kernels": "exact", "kernels_build": exact_kernels_build()}, None),
     ],
 )
 def test_stale_profiles_are_recognised(changes, reason):

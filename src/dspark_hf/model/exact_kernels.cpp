@@ -7,7 +7,7 @@
 //
 //  * linear: out[m, n] = dot(x[m], w[n]) (+ bias[n]). The dot product runs over K in chunks of 8 floats into
 //    one 8-lane accumulator (fused multiply-add per lane), a zero-padded last chunk, then a fixed horizontal
-//    sum of the 8 lanes. Rows and columns are tiled (up to 4 x 3) so each weight chunk is loaded once for
+//    sum of the 8 lanes. Rows and columns are tiled (up to 8 x 3) so each weight chunk is loaded once for
 //    several rows, but every (m, n) pair keeps its own accumulator: tiling changes speed, not results. The
 //    weights a few tiles ahead are prefetched into the cache (PREFETCH_TILES; a hint only, no arithmetic).
 //  * attention: per (batch, head, query) the scores of the visible keys (same dot product), their maximum,
@@ -114,17 +114,42 @@ inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, 
     }
 }
 
+// R rows starting at row m, against one column tile.
+template <int R, int C>
+inline void rows_block(const float* x, int64_t m, const float* const* ws, int64_t K, float* out, int64_t N,
+                       const float* bias, const float* ahead) {
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) xs[r] = x + (m + r) * K;
+  dot_tile<R, C>(xs, ws, K, out + m * N, N, bias, ahead);
+}
+
+// All M rows against one column tile. A verification forward (2 to 8 rows) takes one pass over the tile's weights
+// when R x C accumulators, C weight vectors and one input vector fit the vector registers (16 with AVX2: up to 4
+// rows; 32 with AVX-512VL, still 8-lane vectors: up to 8 rows), so verifying a block costs about what one row
+// does. Longer inputs (a prefill) go in blocks of 4 rows, the rest in one tile.
 template <int C>
 inline void rows_tile(const float* x, int64_t M, const float* const* ws, int64_t K, float* out, int64_t N,
                       const float* bias, const float* ahead) {
+#ifdef __AVX512VL__
+  constexpr int64_t single = 8;
+#else
+  constexpr int64_t single = 4;
+#endif
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    const float* xs[4] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K, x + (m + 3) * K};
-    dot_tile<4, C>(xs, ws, K, out + m * N, N, bias, m == 0 ? ahead : nullptr);
+  if (M > single) {
+    for (; m + 4 <= M; m += 4) rows_block<4, C>(x, m, ws, K, out, N, bias, m == 0 ? ahead : nullptr);
   }
-  for (; m < M; ++m) {
-    const float* xs[1] = {x + m * K};
-    dot_tile<1, C>(xs, ws, K, out + m * N, N, bias, m == 0 ? ahead : nullptr);
+  const float* a = m == 0 ? ahead : nullptr;
+  switch (M - m) {
+    case 0: break;
+    case 1: rows_block<1, C>(x, m, ws, K, out, N, bias, a); break;
+    case 2: rows_block<2, C>(x, m, ws, K, out, N, bias, a); break;
+    case 3: rows_block<3, C>(x, m, ws, K, out, N, bias, a); break;
+    case 4: rows_block<4, C>(x, m, ws, K, out, N, bias, a); break;
+    case 5: rows_block<5, C>(x, m, ws, K, out, N, bias, a); break;
+    case 6: rows_block<6, C>(x, m, ws, K, out, N, bias, a); break;
+    case 7: rows_block<7, C>(x, m, ws, K, out, N, bias, a); break;
+    default: rows_block<8, C>(x, m, ws, K, out, N, bias, a); break;
   }
 }
 

@@ -143,7 +143,15 @@ def _build_flags() -> list[str]:
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
+    if capability == "AVX512":
+        # the same 8-lane arithmetic, with AVX-512VL's 32 vector registers: a verification forward of up to 8 rows
+        # then reads each weight tile once (exact_kernels.cpp, rows_tile)
+        flags += ["-mavx512f", "-mavx512vl"]
     return flags
+
+
+def _build_key(source: str, flags: list[str]) -> str:
+    return hashlib.sha256("\n".join([source, *flags, torch.__version__, sys.version]).encode()).hexdigest()[:12]
 
 
 def _build():
@@ -158,8 +166,7 @@ def _build():
         pass
     source = (Path(__file__).with_name("exact_kernels.cpp")).read_text()
     flags = _build_flags()
-    key = hashlib.sha256("\n".join([source, *flags, torch.__version__, sys.version]).encode()).hexdigest()[:12]
-    name = f"dspark_exact_{key}"
+    name = f"dspark_exact_{_build_key(source, flags)}"
     folder = _extensions_dir() / name
     folder.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load_inline(
@@ -201,6 +208,16 @@ def exact_kernels_backend() -> str:
     Builds the kernels on first call. Set `DSPARK_EXACT_BACKEND=torch` to force the fallback.
     """
     return "cpp" if _backend() is not None else "torch"
+
+
+def exact_kernels_build() -> str:
+    """Which build of the exact kernels runs: `"cpp-<key>"` (a hash of the C++ source, the compiler flags and the
+    torch and Python versions) or `"torch"` (the fallback). Cost measurements taken on the exact kernels (the SPS
+    profile) record it, so that a kernel change invalidates them."""
+    if _backend() is None:
+        return "torch"
+    source = (Path(__file__).with_name("exact_kernels.cpp")).read_text()
+    return f"cpp-{_build_key(source, _build_flags())}"
 
 
 def build_exact_kernels() -> str:

@@ -182,6 +182,12 @@ def stale_reason(
     for name, version in _versions().items():
         if meta.get(name) != version:
             return f"measured with {name} {meta.get(name)}, this is {version}"
+    if meta.get("kernels") == "exact":
+        from ..model.kernels import exact_kernels_build
+
+        build = exact_kernels_build()
+        if meta.get("kernels_build") != build:
+            return f"measured on another build of the exact kernels ({meta.get('kernels_build')}, this is {build})"
     if meta.get("inconsistent") and not ignore_live:
         return f"inconsistent with live round times ({meta['inconsistent']})"
     if max_age is not None:
@@ -267,6 +273,10 @@ def profile_sps(
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "measured_at_epoch": time.time(),
     }
+    if meta["kernels"] == "exact":
+        from ..model.kernels import exact_kernels_build
+
+        meta["kernels_build"] = exact_kernels_build()
     if monotone:
         meta["raw_seconds"] = raw
     return SPSProfile(monotone_fit(raw) if monotone else raw, meta)
