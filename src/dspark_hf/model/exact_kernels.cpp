@@ -255,22 +255,26 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
       const float* qi = qp + b * qs[0] + h * qs[1] + i * qs[2];
       const float* kb = kp + b * ks[0] + hk * ks[1];
       const float* vb = vp + b * vs[0] + hk * vs[1];
+      // keys past the causal limit are never visible; with a mask every key is checked
+      const int64_t jend = has_mask ? Lk : std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + i + 1));
+      for (int64_t j = 0; j < Lk; ++j)
+        seen[j] = j < jend && (!has_mask || mp[b * ms0 + h * ms1 + i * ms2 + j * ms3]);
+      // the raw dot products four keys at a time (independent accumulators, the same arithmetic per key as
+      // one at a time), then the scaled scores of the visible keys and their maximum
+      const float* xs[1] = {qi};
+      int64_t j = 0;
+      for (; j + 4 <= jend; j += 4) {
+        const float* ws[4] = {kb + j * ks[2], kb + (j + 1) * ks[2], kb + (j + 2) * ks[2], kb + (j + 3) * ks[2]};
+        dot_tile<1, 4>(xs, ws, D, scores.data() + j, 1, nullptr);
+      }
+      for (; j < jend; ++j) {
+        const float* ws[1] = {kb + j * ks[2]};
+        dot_tile<1, 1>(xs, ws, D, scores.data() + j, 1, nullptr);
+      }
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < Lk; ++j) {
-        bool visible;
-        if (has_mask) {
-          visible = mp[b * ms0 + h * ms1 + i * ms2 + j * ms3];
-        } else {
-          visible = j <= Lk - Lq + i;
-        }
-        seen[j] = visible;
-        if (!visible) continue;
-        const float* kj = kb + j * ks[2];
-        const float* xs[1] = {qi};
-        const float* ws[1] = {kj};
-        float s;
-        dot_tile<1, 1>(xs, ws, D, &s, 1, nullptr);
-        s = s * sc;
+      for (j = 0; j < jend; ++j) {
+        if (!seen[j]) continue;
+        const float s = scores[j] * sc;
         scores[j] = s;
         if (s > mx) mx = s;
       }
