@@ -49,3 +49,25 @@ def test_algorithm_1_pays_for_declined_drafts_in_the_same_setting(monkeypatch):
 @pytest.mark.parametrize("policy", ["fixed", "fixed:2"])
 def test_fixed_policies_never_decline(monkeypatch, policy):
     assert declined_drafts(_run(monkeypatch, policy)) == 0
+
+
+def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monkeypatch):
+    """`DSparkConfig.default_policy` (what the shipped drafts record as measured fastest for them) is used when
+    neither the call nor the generation config names a policy; a policy named in the call still wins."""
+    monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
+    target = make_target("llama", markov=True)
+    draft = make_aligned_draft(target, block_size=5)
+    draft.config.confidence_calibrated = True
+    draft.config.default_policy = "fixed:2"
+    prompt = torch.tensor([[5, 17, 3, 9]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, plain)
+    stats = draft.last_generation_stats
+    assert "FixedPolicy(n=2)" in stats.policy, stats.policy
+    assert {r.verified for r in stats.rounds if r.drafted} <= {1, 2} and any(r.verified == 2 for r in stats.rounds)
+    target.generate(prompt, assistant_model=draft, dspark_policy="hardware_aware_uniform", max_new_tokens=24)
+    assert "Uniform" in draft.last_generation_stats.policy
+    draft.config.default_policy = None
+    target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
+    assert "Uniform" in draft.last_generation_stats.policy

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             "verification policy: fixed, fixed:N, threshold:T (survival rule), confidence_threshold:T "
             "(DeepSpec's rule), hardware_aware[:BG], hardware_aware_lagged[:BG], "
-            "hardware_aware_uniform[:BG] (default: the draft's default; printed with the results)"
+            "hardware_aware_uniform[:BG] (default: the draft's recorded default_policy, else the library's; printed with "
+            "the results)"
         ),
     )
     parser.add_argument(
@@ -89,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     draft, fresh = load_draft(target, args.draft, seed=args.seed)
     try:
         policy = resolve_policy(
-            args.policy,
+            args.policy or draft.config.default_policy,
             has_confidence=draft.confidence_head is not None,
             calibrated=draft.config.confidence_calibrated,
         )
@@ -153,7 +154,12 @@ def main(args: argparse.Namespace) -> int:
     reply = tokenizer.decode(spec_out[0, prompt_len:], skip_special_tokens=True)
     plain_tps, spec_tps = tps["plain"], tps["spec"]
     print(f"\n{reply}\n")
-    chosen = "the default for this draft" if args.policy is None else "--policy"
+    if args.policy is not None:
+        chosen = "--policy"
+    elif draft.config.default_policy:
+        chosen = "the draft's recorded default, measured fastest for it at batch 1"
+    else:
+        chosen = "the library default for this draft"
     print(f"policy: {policy.name} ({chosen}; {stats.policy})")
     print(f"kernels: {mode} ({'--kernels' if args.kernels else 'the default'}; plain generate() below uses stock)")
     print(f"tau (tokens per target forward: accepted drafts + 1): {stats.tau:.2f} over {stats.num_rounds} rounds")

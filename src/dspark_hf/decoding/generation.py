@@ -77,8 +77,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         target (`PreTrainedModel`): the model being generated from.
         generation_config (`GenerationConfig`): the call's generation config. The verification policy (a
             policy object or string, see [`resolve_policy`]) is, by precedence: `generate(dspark_policy=...)`,
-            `generation_config.dspark_policy`, `draft.policy`, then `"hardware_aware_uniform"` for a draft with a
-            calibrated confidence head and `"fixed"` otherwise.
+            `generation_config.dspark_policy`, `draft.policy`, the draft config's `default_policy` (the shipped
+            drafts record the policy measured fastest for them), then `"hardware_aware_uniform"` for a draft
+            with a calibrated confidence head and `"fixed"` otherwise.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
 
@@ -97,7 +98,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
         self.eos_token_ids = eos_token_ids(generation_config)
-        spec = draft._call_policy or getattr(generation_config, "dspark_policy", None) or draft.policy
+        spec = (
+            draft._call_policy
+            or getattr(generation_config, "dspark_policy", None)
+            or draft.policy
+            or getattr(self.config, "default_policy", None)
+        )
         self.policy = resolve_policy(
             spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated
         )

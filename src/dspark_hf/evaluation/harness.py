@@ -639,7 +639,7 @@ def evaluate_drafts(
         policy (`str` or `Mapping[str, str]`, *optional*): `dspark_policy` for every draft, or one per draft
             name. `None` (the default, also as a mapping's value) measures what users get: the draft runs with
             the policy `generate()` picks for it without a `dspark_policy` argument (the draft's own `policy`,
-            else the product default, see [`resolve_policy`]); the policy each draft ran with is recorded in
+            its config's `default_policy`, else the product default, see [`resolve_policy`]); the policy each draft ran with is recorded in
             `report.methods[name]["policy"]`. `"fixed"` verifies the whole block, so τ is compared at full
             γ, as in the paper.
         cuda_graphs (`bool` or `Mapping[str, bool]`, *optional*): `dspark_cuda_graphs` for every draft, or one

@@ -124,6 +124,11 @@ class DSparkConfig(PreTrainedConfig):
             Temperature Scaling). Defaults to all 1.0 (uncalibrated).
         confidence_calibrated (`bool`, *optional*, defaults to `False`): set by calibration; a calibrated
             draft defaults to the hardware-aware verification policy.
+        default_policy (`str`, *optional*): the verification policy `generate()` uses with this draft when the call
+            names none (see [`resolve_policy`]); `None` (the default) leaves the choice to the library
+            (`hardware_aware_uniform` for a calibrated draft). A shipped draft records here the policy measured
+            fastest for it at batch 1 (`benchmarks/bench_policies.py`). The batched engine and `dspark serve`
+            do not read it: under load they need a policy that backs off.
         draft_vocab_size (`int`, *optional*): `K`, the size of the draft-side vocabulary subset the draft
             proposes from at inference (the ids are the model's `draft_vocab_ids` buffer, saved with the
             weights). `None` (the default) is the full vocabulary. Set both with
@@ -170,6 +175,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_with_markov: bool = True
     calibration_temperatures: list[float] | None = None
     confidence_calibrated: bool = False
+    default_policy: str | None = None
     draft_vocab_size: int | None = None
     target_name_or_path: str | None = None
     target_revision: str | None = None
