@@ -174,7 +174,7 @@ def docker_server(tiny, tmp_path_factory):
     env = {
         "DSPARK_HOST": "127.0.0.1", "DSPARK_PORT": str(port), "DSPARK_TARGET": str(folder / "target"),
         "DSPARK_DRAFT": str(folder / "draft"), "DSPARK_DTYPE": "float64", "DSPARK_POLICY": "fixed",
-        "DSPARK_THREADS": "1", "DSPARK_MAX_BATCH_SIZE": "2", "DSPARK_MAX_QUEUE": "2", "DSPARK_MAX_NEW_TOKENS": "64",
+        "DSPARK_THREADS": "1", "DSPARK_MAX_BATCH_SIZE": "2", "DSPARK_MAX_QUEUE": "2", "DSPARK_MAX_NEW_TOKENS": "400",
         "DSPARK_SHUTDOWN_TIMEOUT": "3", "DSPARK_LOG_LEVEL": "warning", "DSPARK_MODEL_NAME": "tiny",
     }  # fmt: skip
     srv = Server(cmd, env, tmp_path_factory.mktemp("logs") / "docker.log", port)
@@ -455,7 +455,9 @@ async def _wait_in_flight(client, at_least: int, tries: int = 600) -> None:
 def test_disconnect_mid_stream_frees_the_slot(docker_server, tiny):
     """Four long streams fill the server (capacity 4); a fifth request is refused; one client leaves mid-stream
     and the next request is admitted; the disconnect is counted; the other three finish exactly."""
-    long_text = [("abc", 60), ("hello there", 60), ("xyz", 60), ("q", 60)]
+    # long enough that the streams are still being generated while the test polls /ready (50 ms apart): 60
+    # tokens of the tiny model took less than that on a fast host, so the first one had finished unseen
+    long_text = [("abc", 400), ("hello there", 400), ("xyz", 400), ("q", 400)]
     refs = [_reference(tiny, _chat_ids(tiny["tokenizer"], t), m, ignore_eos=True) for t, m in long_text]
     late_ref = _reference(tiny, _chat_ids(tiny["tokenizer"], "late"), 4)
     cancelled_before = docker_server.metric("dspark_http_requests_cancelled_total", '{reason="disconnect"}')
@@ -505,7 +507,7 @@ def test_disconnect_mid_stream_frees_the_slot(docker_server, tiny):
 def test_sigterm_during_traffic_drains_and_exits_0(docker_server, tiny):
     """SIGTERM while streams run: new requests are refused, each stream either finishes exactly or ends with a
     shutdown error and [DONE] within the 3 s deadline, and the process exits 0."""
-    work = [("abc", 3), ("hello there", 64), ("xyz", 64)]
+    work = [("abc", 3), ("hello there", 400), ("xyz", 400)]  # the long ones must still run when SIGTERM comes
     refs = [_reference(tiny, _chat_ids(tiny["tokenizer"], t), m, ignore_eos=True) for t, m in work]
 
     async def run():

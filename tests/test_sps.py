@@ -103,6 +103,7 @@ def test_get_sps_profile_reuses_a_good_cached_profile_and_remeasures_a_stale_one
     target = _tiny()
     path = sps._cache_path(target, 16)
     sps._LOADED.pop(path, None)
+    sps._REMEASURED.discard(path)  # another test in this worker may have re-measured this tiny target already
     bogus = {1: 123.0, 2: 124.0}  # no real forward takes two minutes: tells a re-measured profile apart
     SPSProfile(bogus, _fresh_meta(**changes)).save(path)
     profile = get_sps_profile(target, context_length=16, token_counts=(1, 2), repeats=1, warmup=0)
