@@ -64,7 +64,7 @@ def test_uniform_length_rejects_a_broken_profile():
 
 def test_policy_learns_costs_and_survival_from_rounds():
     policy = UniformHardwareAwarePolicy(
-        sps=SPSProfile({1: 0.1, 256: 0.1}), smoothing=0.5, plain_samples=0, idle_decay=1.0
+        sps=SPSProfile({1: 0.1, 256: 0.1}), smoothing=0.5, plain_samples=0, survival_idle_decay=1.0
     )
     ctx = ScheduleContext()
     assert policy.plan_length(2, 3, ctx) == 3  # prior 0.7^k, free tokens, drafting not yet measured
@@ -149,14 +149,14 @@ def test_a_few_unlucky_rounds_do_not_stop_drafting_for_good(prior_weight, idle_d
         assert len(plans) < 40, len(plans)  # within a few dozen rounds
 
 
-@pytest.mark.parametrize(("idle_decay", "tries_again"), [(0.95, True), (1.0, False)])
-def test_one_round_of_low_confidence_does_not_stop_drafting_for_the_rest_of_the_call(idle_decay, tries_again):
+@pytest.mark.parametrize(("survival_idle_decay", "tries_again"), [(0.99, True), (1.0, False)])
+def test_one_round_of_low_confidence_does_not_stop_drafting_for_the_rest_of_the_call(survival_idle_decay, tries_again):
     """The first drafting round of a chat reply (the block after the assistant header) often has low
     confidences. It must not fix the survival estimate for good: plain rounds add no survival evidence, so the
     estimate drifts back towards the prior while nothing is drafted (the control, `idle_decay=1`, never drafts
     again). Here the round's acceptances match its confidences, so only the survival estimate holds `L` at 0."""
     policy = UniformHardwareAwarePolicy(
-        sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=0, smoothing=0.9, idle_decay=idle_decay
+        sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=0, smoothing=0.9, survival_idle_decay=survival_idle_decay
     )
     ctx = ScheduleContext()
     low = torch.tensor([[0.05, 0.0, 0.0]])
@@ -166,14 +166,14 @@ def test_one_round_of_low_confidence_does_not_stop_drafting_for_the_rest_of_the_
     policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
     assert policy.plan_length(1, 3, ctx) == 0  # a draft costs 30% of a round, the estimate promises ~0.1 tokens
     plans = []
-    for _ in range(60):  # plain rounds
+    for _ in range(300):  # plain rounds
         plans.append(policy.plan_length(1, 3, ctx))
         if plans[-1]:
             break
         policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
-    assert (plans[-1] > 0) is tries_again, plans
-    if tries_again:
-        assert len(plans) < 30, len(plans)
+    assert (plans[-1] > 0) is tries_again, len(plans)
+    if tries_again:  # slowly: each try is a drafting round that may not pay
+        assert len(plans) < 150, len(plans)
 
 
 def test_policy_keeps_a_window_of_timings():
