@@ -408,11 +408,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     accept nothing made the ratio 0, every later plan `L = 0`, and, since only drafting rounds add evidence,
     the policy never drafted again whatever the draft could do. Rounds that do not draft also fade the
     evidence (by `idle_decay` each), so a ratio learned long ago drifts back towards the confidences' own
-    promise and is tested again by a drafting round once that promise pays. The survival estimate is
-    weighed the same way: the first drafting round moves it from the prior by `smoothing` (it used to replace
-    the prior, so one round of low confidence, typically the first block after a chat template's assistant
-    header, set `L = 0` for the rest of the call) and it drifts back towards the prior, slowly
-    (`survival_idle_decay`), while nothing is drafted.
+    promise and is tested again by a drafting round once that promise pays.
 
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
@@ -427,10 +423,6 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             confidences in the rescaling ratio (`0`: the bare ratio, which can lock at 0).
         idle_decay (`float`, *optional*, defaults to 0.95): factor on the ratio's evidence per round that did
             not draft (`1`: evidence changes only when drafting).
-        survival_idle_decay (`float`, *optional*, defaults to 0.99): factor on the survival estimate's distance
-            from the prior per round that did not draft (`1`: it changes only when drafting). Slower than
-            `idle_decay`: each retry is a drafting round that may not pay (at 0.95 a server whose drafts did not
-            pay drafted again every few rounds, 0.84-0.99x plain batched decoding at concurrency 1-32).
     """
 
     prior: float = 0.7
@@ -440,15 +432,11 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     refresh_every: int = 16
     prior_weight: float = 1.0
     idle_decay: float = 0.95
-    survival_idle_decay: float = 0.99
     name = "hardware_aware_uniform"
-
-    def _prior_curve(self, gamma: int) -> torch.Tensor:
-        return self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
         sps = _sps_fn(self.sps, context)
-        prior = self._prior_curve(gamma)
+        prior = self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
         estimate = context.survival_estimate
         if estimate is None:
             estimate = prior
@@ -495,17 +483,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if not drafted:  # evidence fades while the policy does not draft, so an old verdict is tried again
             context.predicted_accepted *= self.idle_decay
             context.realized_accepted *= self.idle_decay
-        estimate = context.survival_estimate
-        if (survival is None or not survival.numel()) and estimate is not None:
-            prior = self._prior_curve(estimate.numel())
-            context.survival_estimate = prior + (estimate - prior) * self.survival_idle_decay
         if survival is not None and survival.numel():
             matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
             mean = matrix.mean(dim=0)
-            old = context.survival_estimate
-            if old is None:  # the first round is one piece of evidence, weighed against the prior like any other
-                old = self._prior_curve(mean.numel())
-            context.survival_estimate = _blend(old, mean, self.smoothing)
+            context.survival_estimate = _blend(context.survival_estimate, mean, self.smoothing)
             if verified is not None and accepted is not None and sum(verified):
                 predicted = sum(float(matrix[r, :n].sum()) for r, n in enumerate(verified) if n)
                 keep = 1 - self.smoothing
