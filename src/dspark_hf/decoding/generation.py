@@ -102,7 +102,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             draft._call_policy
             or getattr(generation_config, "dspark_policy", None)
             or draft.policy
-            or getattr(self.config, "default_policy", None)
+            or self.config.default_policy
         )
         self.policy = resolve_policy(
             spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated

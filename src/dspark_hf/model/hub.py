@@ -190,7 +190,7 @@ def model_card(
         ("Calibration (per-position temperatures)", f"`{temps}`" if calibrated else "uncalibrated (all 1.0)"),
         (
             "Default verification policy in `generate()`",
-            f"`{c.default_policy}` (recorded in the config)" if getattr(c, "default_policy", None) else "the library's",
+            f"`{c.default_policy}` (recorded in the config)" if c.default_policy else "the library's",
         ),
         ("Draft parameters", f"{sum(p.numel() for p in draft.parameters()):,}"),
         ("Written by", f"dspark-hf {c.dspark_version or __version__}"),

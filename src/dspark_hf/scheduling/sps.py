@@ -39,6 +39,7 @@ import torch
 
 from .._paths import cache_dir
 from .._transformers import model_name
+from ..model.kernels import exact_kernels_build, kernels_of
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -183,8 +184,6 @@ def stale_reason(
         if meta.get(name) != version:
             return f"measured with {name} {meta.get(name)}, this is {version}"
     if meta.get("kernels") == "exact":
-        from ..model.kernels import exact_kernels_build
-
         build = exact_kernels_build()
         if meta.get("kernels_build") != build:
             return f"measured on another build of the exact kernels ({meta.get('kernels_build')}, this is {build})"
@@ -233,8 +232,6 @@ def profile_sps(
     """
     from transformers import DynamicCache
 
-    from ..model.kernels import kernels_of
-
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -274,8 +271,6 @@ def profile_sps(
         "measured_at_epoch": time.time(),
     }
     if meta["kernels"] == "exact":
-        from ..model.kernels import exact_kernels_build
-
         meta["kernels_build"] = exact_kernels_build()
     if monotone:
         meta["raw_seconds"] = raw
@@ -288,8 +283,6 @@ def _cache_path(target, context_length: int) -> Path:
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
     # packed or exact kernels (dspark_hf.model.kernels) change the cost curve's shape: a separate profile per mode
-    from ..model.kernels import kernels_of
-
     mode = kernels_of(target)
     kernels = "" if mode == "stock" else f"-{mode}"
     fname = f"{name}-{device}-{dtype}-t{threads}{kernels}-ctx{context_bucket(context_length)}.json"
