@@ -50,7 +50,7 @@ from .._transformers import (
     slot_cache,
 )
 from .caches import KVStore, SlotKV
-from .verification import greedy_accept, speculative_accept
+from .verification import categorical_draw, greedy_accept, speculative_accept
 
 LAYOUTS = ("padded", "packed", "auto")
 
@@ -316,8 +316,7 @@ class RowSampler:
     def pick(self, logits: torch.Tensor) -> int:
         """One token from processed logits `[V]`."""
         if self.do_sample:
-            probs = torch.softmax(logits.double(), dim=-1)
-            return int(torch.multinomial(probs, 1, generator=self.generator))
+            return int(categorical_draw(torch.softmax(logits.double(), dim=-1)[None], self.generator)[0])
         return int(logits.argmax())
 
 
