@@ -1,7 +1,7 @@
 """Verification policies at batch 1 on the default target: tokens/s of every policy vs plain generate().
 
 Measures, in one run and interleaved per repeat (so every method sees the same machine load):
-plain `generate()`, `fixed:n` for every n in 1..γ, `threshold:t` for a few t, `hardware_aware` and
+plain `generate()`, `fixed:n` for every n in 1..γ, `adaptive` (`adaptive:n` when named), `threshold:t` for a few t, `hardware_aware` and
 `hardware_aware_lagged`; reports medians over repeats of tokens/s and the ratio to plain decoding measured
 in the same run. Then it sweeps a background load and records the verification length the hardware-aware
 policies choose (the scheduler's load response), and plots the measured SPS curve.
@@ -72,11 +72,13 @@ def main() -> None:
     inputs = [chat_inputs(tok, p)["input_ids"] for p in PROMPTS]
     policies: dict[str, object] = {f"fixed:{n}": f"fixed:{n}" for n in range(1, gamma + 1)}
     policies.update({f"threshold:{t}": f"threshold:{t}" for t in args.thresholds})
+    policies["adaptive"] = "adaptive"  # adaptive:4; any other adaptive:n runs when named in --candidates
     policies["hardware_aware"] = HardwareAwarePolicy(sps=profile)
     policies["hardware_aware_lagged"] = LaggedHardwareAwarePolicy(sps=profile)
     policies["hardware_aware_uniform"] = UniformHardwareAwarePolicy(sps=profile)
     policies["fixed"] = "fixed"
     if args.candidates:
+        policies.update({n: n for n in args.candidates if n.startswith("adaptive:")})
         unknown = set(args.candidates) - set(policies)
         if unknown:
             raise SystemExit(f"unknown --candidates {sorted(unknown)}; choose from {sorted(policies)}")

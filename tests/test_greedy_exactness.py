@@ -18,7 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 from helpers import ARCHS, make_aligned_draft, make_target
 
 HEADS = ["markov", "gated", "rnn", "none"]
-POLICIES = ["fixed", "threshold:0.3"]
+POLICIES = ["fixed", "threshold:0.3", "adaptive:3"]
 NUM_PROMPTS = 20
 VOCAB = 96
 

@@ -33,6 +33,7 @@ from .model.kernels import (
 from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
 from .model.speculators_format import export_speculators
 from .scheduling.policies import (
+    AdaptivePolicy,
     ConfidenceThresholdPolicy,
     FixedPolicy,
     HardwareAwarePolicy,
@@ -55,6 +56,7 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkEngine",
     "DSparkOutput",
+    "AdaptivePolicy",
     "FixedPolicy",
     "GenerationStats",
     "HardwareAwarePolicy",

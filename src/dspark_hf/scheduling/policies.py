@@ -219,6 +219,7 @@ class ScheduleContext:
             survival probabilities, and accepted in fact, over recent rounds (decayed sums; they also fade in
             rounds that do not draft, so old evidence does not rule for good).
         planned_length (`int`, *optional*): the length a policy fixed before this round's drafting.
+        payoff (`dict[int, PayoffState]`): [`AdaptivePolicy`]'s measured rates per number of requests.
     """
 
     sps: Callable[[int], float] | None = None
@@ -231,6 +232,32 @@ class ScheduleContext:
     predicted_accepted: float = 0.0
     realized_accepted: float = 0.0
     planned_length: int | None = None
+    payoff: dict[int, PayoffState] = field(default_factory=dict)
+
+
+@dataclass
+class PayoffState:
+    """What [`AdaptivePolicy`] has measured at one batch size: tokens emitted and seconds spent by drafting rounds
+    and by plain rounds (decayed sums, so the rates are recent), how many of each it has seen, and where it
+    stands in its back-off."""
+
+    draft_tokens: float = 0.0
+    draft_seconds: float = 0.0
+    plain_tokens: float = 0.0
+    plain_seconds: float = 0.0
+    drafts: int = 0
+    plains: int = 0
+    streak: int = 0  # drafting rounds since the last plain round
+    idle: int = 0  # plain rounds since drafting last lost (or was last probed)
+    interval: int = 0  # plain rounds to wait before the next probe
+
+    @property
+    def draft_rate(self) -> float:
+        return self.draft_tokens / self.draft_seconds if self.draft_seconds > 0 else 0.0
+
+    @property
+    def plain_rate(self) -> float:
+        return self.plain_tokens / self.plain_seconds if self.plain_seconds > 0 else 0.0
 
 
 class VerificationPolicy:
@@ -284,6 +311,121 @@ class FixedPolicy(VerificationPolicy):
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         return fixed_lengths(survival, survival.shape[-1] if self.n is None else self.n)
+
+
+@dataclass
+class AdaptivePolicy(VerificationPolicy):
+    """Draft and verify `n` tokens a round while that emits more tokens per second than plain rounds do, as
+    measured in this very call (or engine); otherwise decode plainly and try drafting again after a back-off.
+
+    A payoff guard for a fixed length: it compares what drafting really earns here (tokens emitted over the
+    whole round's time, drafting included) with plain decoding's measured rate, so on text the draft
+    predicts poorly, or on a machine where verification is dear, it falls back to plain decoding instead of
+    paying for drafts that are not accepted. It starts with `plain_samples` plain rounds (plain decoding is
+    the baseline: measuring it costs nothing), then drafts `warmup_drafts` rounds, then takes the faster arm
+    each round. While plain wins it probes one drafting round after `explore` plain rounds, doubling the
+    wait up to `explore_max` for every probe that does not turn the verdict, and resetting it when drafting
+    wins again; while drafting wins, one plain round in every `refresh_every` re-measures the alternative
+    (the machine's load drifts). Each rate is tokens over seconds of recent rounds (sums that decay by
+    `1 - smoothing` per drafting round and `1 - plain_smoothing` per plain round: a ratio of sums, not a mean
+    of noisy per-round ratios); a probe decays the drafting sums by `1 - probe_weight` instead, so one good
+    probe can resume drafting.
+
+    Lossless: the length is fixed before the round drafts, from earlier rounds only. Needs no confidence
+    head and no SPS profile. Measured per batch size (the engine's rounds at `R` rows are compared with plain
+    rounds at `R` rows).
+
+    Args:
+        n (`int`, *optional*, defaults to 4): drafts verified in a drafting round (`None`: the whole block).
+        smoothing (`float`, *optional*, defaults to 0.1): decay of the drafting sums per drafting round.
+        plain_smoothing (`float`, *optional*, defaults to 0.25): decay of the plain sums per plain round.
+        probe_weight (`float`, *optional*, defaults to 0.5): decay of the drafting sums at a probe.
+        plain_samples (`int`, *optional*, defaults to 2): plain rounds measured before the first draft.
+        warmup_drafts (`int`, *optional*, defaults to 3): drafting rounds measured before comparing.
+        explore (`int`, *optional*, defaults to 8): plain rounds before the first probe.
+        explore_max (`int`, *optional*, defaults to 64): the longest wait between probes.
+        refresh_every (`int`, *optional*, defaults to 16): drafting rounds between plain re-measurements.
+    """
+
+    n: int | None = 4
+    smoothing: float = 0.1
+    plain_smoothing: float = 0.25
+    probe_weight: float = 0.5
+    plain_samples: int = 2
+    warmup_drafts: int = 3
+    explore: int = 8
+    explore_max: int = 64
+    refresh_every: int = 16
+    name = "adaptive"
+    needs_confidence = False
+
+    def __post_init__(self) -> None:
+        if self.n is not None and self.n < 1:
+            raise ValueError(f"adaptive: n must be >= 1, got {self.n}.")
+        if not all(0 < w <= 1 for w in (self.smoothing, self.plain_smoothing, self.probe_weight)):
+            raise ValueError("adaptive: smoothing, plain_smoothing and probe_weight must be in (0, 1].")
+
+    def _state(self, context: ScheduleContext, rows: int) -> PayoffState:
+        if rows not in context.payoff:
+            context.payoff[rows] = PayoffState(interval=self.explore)
+        return context.payoff[rows]
+
+    def _probing(self, state: PayoffState) -> bool:
+        return state.drafts >= self.warmup_drafts and state.draft_rate <= state.plain_rate
+
+    def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
+        state = self._state(context, rows)
+        length = gamma if self.n is None else min(self.n, gamma)
+        if state.plains < self.plain_samples:
+            return 0
+        if state.drafts < self.warmup_drafts:
+            return length
+        if state.draft_rate > state.plain_rate:  # drafting pays here
+            return 0 if state.streak >= self.refresh_every else length
+        return length if state.idle >= state.interval else 0  # a probe, or plain decoding
+
+    def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
+        context = context or ScheduleContext()
+        length = context.planned_length
+        if length is None:
+            length = self.plan_length(survival.shape[0], survival.shape[-1], context)
+        return fixed_lengths(survival, length)
+
+    def observe_round(
+        self,
+        context,
+        rows,
+        forward_tokens,
+        rest_seconds,
+        draft_seconds=None,
+        survival=None,
+        verified=None,
+        accepted=None,
+    ) -> None:
+        state = self._state(context, rows)
+        seconds = rest_seconds + (draft_seconds or 0.0)
+        if seconds <= 0:
+            return
+        tokens = rows + sum(accepted or ())  # every round emits one target token per row
+        if draft_seconds is not None and verified and sum(verified) > 0:
+            probe = self._probing(state) and state.idle >= state.interval
+            keep = 1 - (self.probe_weight if probe else self.smoothing)
+            state.draft_tokens = keep * state.draft_tokens + tokens
+            state.draft_seconds = keep * state.draft_seconds + seconds
+            state.drafts += 1
+            state.streak += 1
+            if probe:  # the verdict stands: wait twice as long; it turned: back to the shortest wait
+                state.idle = 0
+                lost = state.draft_rate <= state.plain_rate
+                state.interval = min(2 * state.interval, self.explore_max) if lost else self.explore
+        else:
+            keep = 1 - self.plain_smoothing
+            state.plain_tokens = keep * state.plain_tokens + tokens
+            state.plain_seconds = keep * state.plain_seconds + seconds
+            state.plains += 1
+            state.streak = 0
+            if self._probing(state):
+                state.idle += 1
 
 
 @dataclass
@@ -544,7 +686,8 @@ def resolve_policy(
 ) -> VerificationPolicy:
     """Turn a policy object or a string into a policy.
 
-    Strings: `"fixed"`, `"fixed:4"`, `"threshold:0.3"` (survival rule), `"confidence_threshold:0.7"`
+    Strings: `"fixed"`, `"fixed:4"`, `"adaptive"`, `"adaptive:4"` (fixed length with a payoff guard),
+    `"threshold:0.3"` (survival rule), `"confidence_threshold:0.7"`
     (DeepSpec's rule), `"hardware_aware"`, `"hardware_aware:32"` (32
     background tokens), `"hardware_aware_lagged"`, `"hardware_aware_lagged:32"`, `"hardware_aware_uniform"`,
     `"hardware_aware_uniform:32"`.
@@ -566,6 +709,8 @@ def resolve_policy(
         try:
             if name == "fixed":
                 policy = FixedPolicy(int(arg) if arg else None)
+            elif name == "adaptive":
+                policy = AdaptivePolicy(int(arg) if arg else 4)
             elif name == "threshold":
                 policy = ThresholdPolicy(float(arg) if arg else 0.5)
             elif name == "confidence_threshold":
@@ -580,7 +725,8 @@ def resolve_policy(
                 raise KeyError(name)
         except (KeyError, ValueError) as err:
             raise ValueError(
-                f"Unknown verification policy {spec!r}: use 'fixed', 'fixed:N' (N tokens), 'threshold:T' "
+                f"Unknown verification policy {spec!r}: use 'fixed', 'fixed:N' (N tokens), 'adaptive[:N]' (N tokens "
+                "while that pays, measured), 'threshold:T' "
                 "(survival rule, 0 <= T <= 1), 'confidence_threshold:T' (DeepSpec's rule), 'hardware_aware[:BG]', 'hardware_aware_lagged[:BG]' or 'hardware_aware_uniform[:BG]' "
                 "(BG = background tokens), "
                 "or pass a VerificationPolicy object."
