@@ -96,4 +96,5 @@ def categorical_draw(weights: torch.Tensor, generator: torch.Generator | None = 
     device = generator.device if generator is not None else sums.device
     u = torch.rand(total.shape, dtype=sums.dtype, device=device, generator=generator).to(sums.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
-    return torch.searchsorted(sums, u, right=True)[:, 0]
+    # a row without positive weight (NaN logits) would index past the end: kept in range, like an argmax would
+    return torch.searchsorted(sums, u, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
