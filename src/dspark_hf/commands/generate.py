@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     if args.policy is not None:
         chosen = "--policy"
     elif draft.config.default_policy:
-        chosen = "the draft's recorded default, measured fastest for it at batch 1"
+        chosen = "the draft's recorded default, measured fastest for it on the evaluation"
     else:
         chosen = "the library default for this draft"
     print(f"policy: {policy.name} ({chosen}; {stats.policy})")
