@@ -17,7 +17,8 @@
 
 Nothing in steps 1–4 reads the device: tokens, the previous token, logits and scores stay tensors, sampling
 draws by inverse CDF with an explicit `torch.Generator` (one uniform per row, [`categorical_draw`]; a
-graph-captured step draws by an exponential race over noise it is given), and the "processors excluded the whole subset" fallback is a `torch.where`, not a Python branch.
+graph-captured step draws by an exponential race over noise it is given), and the "processors excluded the
+whole subset" fallback is a `torch.where`, not a Python branch.
 What the host must know (how many tokens to verify) comes from the single copy in step 5; the policies then
 run on host data.
 
