@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=None,
         help=(
-            "verification policy: fixed, fixed:N, threshold:T (survival rule), confidence_threshold:T "
+            "verification policy: fixed, fixed:N, adaptive[:N] (N drafts while that measurably pays), "
+            "threshold:T (survival rule), confidence_threshold:T "
             "(DeepSpec's rule), hardware_aware[:BG], hardware_aware_lagged[:BG], "
             "hardware_aware_uniform[:BG] (default: the draft's recorded default_policy, else the library's; printed with "
             "the results)"

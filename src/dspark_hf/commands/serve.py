@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default=_env("POLICY"),
-        help="verification policy, e.g. hardware_aware, fixed:3; 'none' serves without speculation "
+        help="verification policy, e.g. adaptive, hardware_aware, fixed:3; 'none' serves without speculation "
         "(default: hardware_aware_uniform for a calibrated draft, else fixed)",
     )
     parser.add_argument(
