@@ -297,6 +297,16 @@ class VerificationPolicy:
         are the drafts each request verified and kept."""
 
 
+def planned_lengths(policy, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
+    """The lengths of a policy that fixes one length before drafting: the one it planned for this round
+    (`context.planned_length`), or, called outside a driver that planned it, `policy.plan_length` now."""
+    context = context or ScheduleContext()
+    length = context.planned_length
+    if length is None:
+        length = policy.plan_length(survival.shape[0], survival.shape[-1], context)
+    return fixed_lengths(survival, length)
+
+
 @dataclass
 class FixedPolicy(VerificationPolicy):
     """Verify `n` drafted tokens every round (`n=None`: the whole block)."""
@@ -385,11 +395,7 @@ class AdaptivePolicy(VerificationPolicy):
         return length if state.idle >= state.interval else 0  # a probe, or plain decoding
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
-        context = context or ScheduleContext()
-        length = context.planned_length
-        if length is None:
-            length = self.plan_length(survival.shape[0], survival.shape[-1], context)
-        return fixed_lengths(survival, length)
+        return planned_lengths(self, survival, context)
 
     def observe_round(
         self,
@@ -604,11 +610,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         )
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
-        context = context or ScheduleContext()
-        length = context.planned_length
-        if length is None:
-            length = self.plan_length(survival.shape[0], survival.shape[-1], context)
-        return fixed_lengths(survival, length)
+        return planned_lengths(self, survival, context)
 
     def observe_round(
         self,
