@@ -169,9 +169,10 @@ def test_prepare_data_resumes_to_the_same_output(tmp_path, monkeypatch, backend)
 
 
 def test_engine_backend_matches_one_at_a_time_decoding(tmp_path):
-    """Greedy: each response of the batched engine is the target's own greedy continuation of that prompt alone
-    (the same check as above, for every record). Sampling: each conversation turn has its own seed, so a
-    conversation's responses do not depend on the chunk it was generated in."""
+    """Greedy: each response of the batched engine (on the exact kernels, the default for this float32 target)
+    is the target's own greedy continuation of that prompt alone on the same kernels (the same check as above,
+    for every record). Sampling: each conversation turn has its own seed, so a conversation's responses do not
+    depend on the chunk it was generated in."""
     tok, target = make_char_tokenizer(), make_chat_target()
     path = prepare_data(
         _prep_args(tmp_path, do_sample=False, batch_size=8, backend="engine"), target=target, tokenizer=tok
@@ -187,7 +188,9 @@ def test_engine_backend_matches_one_at_a_time_decoding(tmp_path):
             prompt = tok.apply_chat_template(
                 messages[:k], add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
-            out = target.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=1)
+            out = target.generate(
+                **prompt, max_new_tokens=12, do_sample=False, eos_token_id=1, pad_token_id=1, dspark_kernels="exact"
+            )
             assert m["content"] == tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
             checked += 1
     assert checked == len(PROMPTS) + 1  # one conversation has two user turns
@@ -320,3 +323,28 @@ def test_import_dspark_hf_does_not_import_the_train_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
     assert torch.__version__  # torch itself is of course fine
+
+
+def test_prepare_data_kernels_option(tmp_path, monkeypatch):
+    """`kernels` picks what the engine decodes on (default: exact for a float32 CPU target); a bad name is refused."""
+    from dspark_hf.decoding import engine as engine_mod
+    from dspark_hf.model.kernels import recommended_kernels
+
+    seen = []
+    original = engine_mod.DSparkEngine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("kernels"))
+        original(self, *a, **kw)
+
+    monkeypatch.setattr(engine_mod.DSparkEngine, "__init__", spy)
+    monkeypatch.delenv("DSPARK_KERNELS", raising=False)
+    tok, target = make_char_tokenizer(), make_chat_target()
+    assert recommended_kernels(target) == "exact"
+    for kernels in (None, "stock"):
+        args = _prep_args(tmp_path, output=str(tmp_path / f"{kernels}.jsonl"), kernels=kernels, backend="engine")
+        rows = [json.loads(line) for line in open(prepare_data(args, target=target, tokenizer=tok))]
+        assert len(rows) == len(PROMPTS)
+    assert seen == ["exact", "stock"]
+    with pytest.raises(ValueError, match="kernels must be"):
+        PrepareDataArguments(output="x.jsonl", kernels="fast")

@@ -79,11 +79,19 @@ class PrepareDataArguments:
     max_turns: int | None = field(default=None, metadata={"help": "answer at most N user turns per conversation."})
     system_prompt: str | None = field(default=None, metadata={"help": "system message prepended when none is given."})
     backend: str = field(
-        default="generate",
+        default="engine",
         metadata={
-            "help": "'generate' (one left-padded target.generate() per chunk and turn; the faster one measured on "
-            "a CPU, see the training guide) or 'engine' (the batched DSparkEngine without a draft: finished rows "
-            "stop costing compute, one seeded generator per conversation turn)."
+            "help": "'engine' (the batched DSparkEngine without a draft: finished rows stop costing compute, one "
+            "seeded generator per conversation turn; the faster one measured on a CPU, see the training guide) "
+            "or 'generate' (one left-padded target.generate() per chunk and turn)."
+        },
+    )
+    kernels: str | None = field(
+        default=None,
+        metadata={
+            "help": "CPU kernels to decode on: 'exact' (batch-invariant: a response does not depend on the other "
+            "rows of its chunk), 'packed' or 'stock'; default: DSPARK_KERNELS if set, else 'exact' for a "
+            "float32 target on the CPU and 'stock' otherwise."
         },
     )
     batch_size: int = field(
@@ -111,6 +119,10 @@ class PrepareDataArguments:
                 raise ValueError(f"PrepareDataArguments.{name} must be >= 1, got {getattr(self, name)}.")
         if self.backend not in ("engine", "generate"):
             raise ValueError(f"PrepareDataArguments.backend must be 'engine' or 'generate', got {self.backend!r}.")
+        if self.kernels is not None and self.kernels not in ("exact", "packed", "stock"):
+            raise ValueError(
+                f"PrepareDataArguments.kernels must be 'exact', 'packed' or 'stock', got {self.kernels!r}."
+            )
 
 
 # ---------------------------------------------------------------------- dspark train

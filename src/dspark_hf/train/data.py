@@ -8,12 +8,13 @@ the target itself, with its chat template (design §5). The pipeline is:
    dataset become conversations of system and user messages (given assistant turns are dropped).
 2. [`prepare_data`]: each user turn is answered in turn by the target, a chunk of `batch_size`
    conversations at a time, and every finished chunk is appended to the output JSONL. The default backend
-   runs one left-padded `target.generate()` per chunk and turn (every row runs until the longest is done);
-   `backend="engine"` uses the batched engine ([`DSparkEngine`] without a draft: each row stops costing
-   compute when it finishes, each conversation turn has its own seeded generator), which measured slower on
-   a CPU (the training guide has the figures). A killed run resumes where it stopped: chunks are fixed
-   slices of the prompt list, and a chunk with a missing conversation is regenerated whole with the same
-   seeds, so the output is the same as an uninterrupted run's.
+   is the batched engine ([`DSparkEngine`] without a draft: each row stops costing compute when it
+   finishes, each conversation turn has its own seeded generator) on the recommended kernels (exact for a
+   float32 target on a CPU: batch-invariant, so a response does not depend on the other rows of its chunk);
+   `backend="generate"` runs one left-padded `target.generate()` per chunk and turn (every row runs until
+   the longest is done). The training guide has the measured throughput of both. A killed run resumes where
+   it stopped: chunks are fixed slices of the prompt list, and a chunk with a missing conversation is
+   regenerated whole with the same seeds, so the output is the same as an uninterrupted run's.
 3. [`tokenize_conversation`]: the chat template renders the conversation; the text is tokenized piece by
    piece so that the loss mask marks exactly the assistant turns, through their end-of-turn token.
 4. [`load_token_dataset`]: the JSONL becomes a compact [`TokenDataset`] for training.
@@ -21,6 +22,7 @@ the target itself, with its chat template (design §5). The pipeline is:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -228,7 +230,8 @@ def engine_turn(
     """Answer the last user message of each conversation with a plain (draft-less) [`DSparkEngine`].
 
     Every request samples with its own generator (`seeds[j]`), so its tokens do not depend on which other
-    requests share the batch (up to the kernels' batch variance, see the training guide).
+    requests share the batch: exactly so on the exact kernels (batch-invariant), and up to the last bits of
+    a near-tie on stock or packed kernels (see the training guide).
 
     Returns:
         `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation as in
@@ -371,12 +374,15 @@ def prepare_data(
         out.unlink()
     done = _read_done(out)
     kw = args.chat_template_kwargs or {}
+    from ..model.kernels import recommended_kernels, use_kernels
+
+    kernels = args.kernels or recommended_kernels(target)
     engine = None
     if args.backend == "engine":
         from ..decoding.engine import DSparkEngine
 
         # No tokenizer: responses are decoded once here, not after every token.
-        engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size)
+        engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size, kernels=kernels)
     bar = tqdm(
         total=len(conversations),
         initial=len(done & set(range(len(conversations)))),
@@ -392,16 +398,19 @@ def prepare_data(
             continue
         # The whole chunk is regenerated (same seeds, same batch) so a resumed run writes what an
         # uninterrupted one would have.
-        results = regenerate_conversations(
-            target,
-            tokenizer,
-            [conversations[i] for i in chunk],
-            args,
-            args.seed + start,
-            engine=engine,
-            indices=chunk,
-            counter=counter,
-        )
+        with contextlib.ExitStack() as scope:
+            if engine is None:  # the engine switches its own kernels; generate() runs in this scope
+                scope.enter_context(use_kernels(target, mode=kernels))
+            results = regenerate_conversations(
+                target,
+                tokenizer,
+                [conversations[i] for i in chunk],
+                args,
+                args.seed + start,
+                engine=engine,
+                indices=chunk,
+                counter=counter,
+            )
         lines = []
         for i, (messages, reasons) in zip(chunk, results):
             if i in done:
@@ -425,7 +434,7 @@ def prepare_data(
     elapsed = time.perf_counter() - started
     if args.progress and counter[0]:
         print(
-            f"prepare-data ({args.backend}): {counter[0]} tokens generated in {elapsed:.1f} s "
+            f"prepare-data ({args.backend}, {kernels} kernels): {counter[0]} tokens generated in {elapsed:.1f} s "
             f"({counter[0] / elapsed:.1f} tokens/s, chunks of {args.batch_size})",
             file=sys.stderr,
         )
