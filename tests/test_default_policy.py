@@ -71,3 +71,26 @@ def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monke
     draft.config.default_policy = None
     target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
     assert "Uniform" in draft.last_generation_stats.policy
+
+
+def test_the_engine_uses_the_drafts_recorded_default_policy_like_generate(monkeypatch):
+    """`DSparkEngine` (and so `dspark serve`) without `policy=` runs the draft's recorded `default_policy`, as
+    `generate()` does; a policy named to the engine still wins, and without a recorded one the library's
+    default applies."""
+    from dspark_hf import DSparkEngine, SamplingParams
+    from dspark_hf.scheduling.policies import AdaptivePolicy, FixedPolicy
+
+    monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
+    target = make_target("llama", markov=True)
+    draft = make_aligned_draft(target, block_size=5)
+    draft.config.confidence_calibrated = True
+    draft.config.default_policy = "adaptive:3"
+    assert DSparkEngine(target, draft).policy == AdaptivePolicy(3)
+    assert DSparkEngine(target, draft, policy="fixed:2").policy == FixedPolicy(2)
+    draft.config.default_policy = None
+    assert isinstance(DSparkEngine(target, draft).policy, UniformHardwareAwarePolicy)
+    engine = DSparkEngine(target, draft, policy="adaptive:2")
+    prompt = [5, 17, 3, 9]
+    plain = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=16))[0]
+    assert out.token_ids[: len(plain)] == plain

@@ -119,9 +119,12 @@ class PrepareDataArguments:
                 raise ValueError(f"PrepareDataArguments.{name} must be >= 1, got {getattr(self, name)}.")
         if self.backend not in ("engine", "generate"):
             raise ValueError(f"PrepareDataArguments.backend must be 'engine' or 'generate', got {self.backend!r}.")
-        if self.kernels is not None and self.kernels not in ("exact", "packed", "stock"):
+        from ..model.kernels import KERNEL_MODES
+
+        if self.kernels is not None and self.kernels not in KERNEL_MODES:
             raise ValueError(
-                f"PrepareDataArguments.kernels must be 'exact', 'packed' or 'stock', got {self.kernels!r}."
+                f"PrepareDataArguments.kernels must be one of {', '.join(map(repr, KERNEL_MODES))}, "
+                f"got {self.kernels!r}."
             )
 
 

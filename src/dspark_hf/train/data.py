@@ -391,16 +391,17 @@ def prepare_data(
         unit="conv",
     )
     counter, started = [0], time.perf_counter()
-    for start in range(0, len(conversations), args.batch_size):
-        chunk = list(range(start, min(start + args.batch_size, len(conversations))))
-        missing = [i for i in chunk if i not in done]
-        if not missing:
-            continue
-        # The whole chunk is regenerated (same seeds, same batch) so a resumed run writes what an
-        # uninterrupted one would have.
-        with contextlib.ExitStack() as scope:
-            if engine is None:  # the engine switches its own kernels; generate() runs in this scope
-                scope.enter_context(use_kernels(target, mode=kernels))
+    # The engine switches its own kernels; generate() runs on them inside this one scope.
+    with contextlib.ExitStack() as scope:
+        if engine is None:
+            scope.enter_context(use_kernels(target, mode=kernels))
+        for start in range(0, len(conversations), args.batch_size):
+            chunk = list(range(start, min(start + args.batch_size, len(conversations))))
+            missing = [i for i in chunk if i not in done]
+            if not missing:
+                continue
+            # The whole chunk is regenerated (same seeds, same batch) so a resumed run writes what an
+            # uninterrupted one would have.
             results = regenerate_conversations(
                 target,
                 tokenizer,
@@ -411,25 +412,25 @@ def prepare_data(
                 indices=chunk,
                 counter=counter,
             )
-        lines = []
-        for i, (messages, reasons) in zip(chunk, results):
-            if i in done:
-                continue
-            seqs = tokenize_conversation(tokenizer, messages, kw, [r == "length" for r in reasons])
-            record = {
-                "id": i,
-                "messages": messages,
-                "finish_reasons": reasons,
-                "sequences": [{"input_ids": ids, "loss_mask": mask} for ids, mask in seqs],
-            }
-            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-        with out.open("a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-        done.update(missing)
-        bar.update(len(missing))
-        bar.set_postfix(tokens_per_s=f"{counter[0] / (time.perf_counter() - started):.1f}")
+            lines = []
+            for i, (messages, reasons) in zip(chunk, results):
+                if i in done:
+                    continue
+                seqs = tokenize_conversation(tokenizer, messages, kw, [r == "length" for r in reasons])
+                record = {
+                    "id": i,
+                    "messages": messages,
+                    "finish_reasons": reasons,
+                    "sequences": [{"input_ids": ids, "loss_mask": mask} for ids, mask in seqs],
+                }
+                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+            with out.open("a", encoding="utf-8") as f:
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+            done.update(missing)
+            bar.update(len(missing))
+            bar.set_postfix(tokens_per_s=f"{counter[0] / (time.perf_counter() - started):.1f}")
     bar.close()
     elapsed = time.perf_counter() - started
     if args.progress and counter[0]:
