@@ -237,3 +237,24 @@ def test_example_train_tiny_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "tau_est" in out and "identical to plain generate(): yes" in out
     assert (tmp_path / "draft" / "model.safetensors").exists()
+
+
+def test_building_a_feature_cache_keeps_no_autograd_graph(tiny, tmp_path, monkeypatch):
+    """`FeatureCache.build` on a target whose weights still require grad (as `from_pretrained` returns it)
+    must not record autograd graphs: each kept sequence's graph (its `[T, V]` logits among them) filled 24 GB
+    before a 4,140-conversation cache was written. The spy sees what every feature pass would record."""
+    _, data = tiny
+    target = make_chat_target()
+    assert any(p.requires_grad for p in target.parameters())
+    ds = load_token_dataset(str(data))
+    seen = []
+    real = features_mod.target_features
+
+    def spy(*args, **kwargs):
+        feats = real(*args, **kwargs)
+        seen.append(torch.is_grad_enabled() or feats.context.requires_grad)
+        return feats
+
+    monkeypatch.setattr(features_mod, "target_features", spy)
+    features_mod.FeatureCache.build(target, ds, [0, 1], tmp_path / "cache", progress=False)
+    assert len(seen) == len(ds) and not any(seen)

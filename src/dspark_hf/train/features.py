@@ -209,6 +209,7 @@ class FeatureCache:
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
     @classmethod
+    @torch.no_grad()
     def build(
         cls,
         target,
@@ -224,7 +225,9 @@ class FeatureCache:
         Sequences are run through the target one at a time (no padding, so the features are exactly the
         ones an online run computes for a batch of one). The full-vocabulary log-partition is computed at every
         token, 256 rows at a time (an online run computes it only at trained positions, in other groups of
-        rows: the same values up to float rounding).
+        rows: the same values up to float rounding). Runs without autograd, so a target whose weights still
+        require grad does not keep every sequence's graph (its `[T, V]` logits among them) until the shard is
+        written.
         """
         from safetensors.torch import save_file
         from tqdm.auto import tqdm
