@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=_env("POLICY"),
         help="verification policy, e.g. adaptive, hardware_aware, fixed:3; 'none' serves without speculation "
-        "(default: the draft's recorded default_policy, adaptive:4 for the shipped drafts, else the library's)",
+        "(default: hardware_aware_uniform for a calibrated draft, else fixed)",
     )
     parser.add_argument(
         "--kernels",

@@ -222,8 +222,7 @@ class DSparkEngine:
         tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for text and chat-message prompts and for
             `RequestOutput.text`.
         policy (`str` or [`VerificationPolicy`], *optional*): see [`resolve_policy`]; `"none"` disables
-            drafting. Defaults, as in `generate()`, to `draft.policy`, else the draft config's `default_policy`
-            (the shipped drafts record `adaptive:4`), else the library's default (see [`resolve_policy`]).
+            drafting. Defaults to `hardware_aware` for a calibrated draft, else `fixed` (the whole block).
         max_batch_size (`int`, *optional*, defaults to 8): most requests decoded at once.
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.
@@ -298,11 +297,8 @@ class DSparkEngine:
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
-            # like generate(): an explicit policy, else the one recorded with the draft, else the library's
             self.policy = resolve_policy(
-                policy or draft.policy or draft.config.default_policy,
-                has_confidence=draft.confidence_head is not None,
-                calibrated=draft.config.confidence_calibrated,
+                policy, has_confidence=draft.confidence_head is not None, calibrated=draft.config.confidence_calibrated
             )
             if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
                 if sps is None:
