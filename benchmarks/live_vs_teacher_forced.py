@@ -20,23 +20,20 @@ import torch
 from dspark_hf.default_model import chat_inputs, load_draft, load_target
 from dspark_hf.model.modeling import block_attention_mask
 from dspark_hf.train.features import target_features
+from dspark_hf.train.losses import build_blocks
 
 
 @torch.no_grad()
 def first_token_predictions(draft, target, seq: torch.Tensor, anchors: list[int]) -> list[int]:
     """The draft's teacher-forced argmax for slot 1 of a block anchored at each of `anchors` (full-vocab ids)."""
     c = draft.config
-    g, length = c.block_size, seq.shape[1]
     feats = target_features(target, list(c.target_layer_ids), seq).context
-    pos_a = torch.tensor([anchors])
-    ids = torch.full((1, len(anchors) * g), c.mask_token_id)
-    prev = torch.zeros_like(ids)
-    for j, a in enumerate(anchors):
-        ids[0, j * g] = seq[0, a]
-        prev[0, j * g : (j + 1) * g] = seq[0, torch.clamp(torch.arange(a, a + g), max=length - 1)]
-    positions = (pos_a[:, :, None] + torch.arange(g)).reshape(1, -1)
-    out = draft(feats, ids, positions, prev_token_ids=prev, attention_mask=block_attention_mask(pos_a, length, g))
-    best = out.logits[0, ::g].argmax(-1)
+    blocks = build_blocks(
+        seq, torch.ones_like(seq, dtype=torch.bool), [torch.tensor(anchors)], c.block_size, c.mask_token_id
+    )
+    mask = block_attention_mask(blocks.anchors, seq.shape[1], c.block_size)
+    out = draft(feats, blocks.input_ids, blocks.position_ids, prev_token_ids=blocks.prev_token_ids, attention_mask=mask)
+    best = out.logits[0, :: c.block_size].argmax(-1)
     if out.logits.shape[-1] != c.vocab_size:  # logits over the draft vocabulary subset
         best = draft.draft_vocab_ids[best]
     return best.tolist()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.scheduling import sps
-from dspark_hf.scheduling.policies import UniformHardwareAwarePolicy, resolve_policy
+from dspark_hf.scheduling.policies import AdaptivePolicy, FixedPolicy, UniformHardwareAwarePolicy, resolve_policy
 
 from helpers import make_aligned_draft, make_target
 
@@ -78,9 +79,6 @@ def test_the_engine_keeps_the_librarys_default_policy_whatever_the_draft_records
     recorded `default_policy` (measured for `generate()` at batch 1: as the server's default, `adaptive:4`
     probed drafting at every batch size and served 0.89-0.99x the throughput without speculation, see
     docs/serving.md); a policy named to the engine wins."""
-    from dspark_hf import DSparkEngine, SamplingParams
-    from dspark_hf.scheduling.policies import AdaptivePolicy, FixedPolicy
-
     monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
     target = make_target("llama", markov=True)
     draft = make_aligned_draft(target, block_size=5)

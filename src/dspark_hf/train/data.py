@@ -392,9 +392,7 @@ def prepare_data(
     )
     counter, started = [0], time.perf_counter()
     # The engine switches its own kernels; generate() runs on them inside this one scope.
-    with contextlib.ExitStack() as scope:
-        if engine is None:
-            scope.enter_context(use_kernels(target, mode=kernels))
+    with contextlib.nullcontext() if engine is not None else use_kernels(target, mode=kernels):
         for start in range(0, len(conversations), args.batch_size):
             chunk = list(range(start, min(start + args.batch_size, len(conversations))))
             missing = [i for i in chunk if i not in done]
