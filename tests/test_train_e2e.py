@@ -3,6 +3,7 @@ the DFlash baseline; only the draft's parameters train."""
 
 from __future__ import annotations
 
+import copy
 import json
 import runpy
 from pathlib import Path
@@ -258,3 +259,59 @@ def test_building_a_feature_cache_keeps_no_autograd_graph(tiny, tmp_path, monkey
     monkeypatch.setattr(features_mod, "target_features", spy)
     features_mod.FeatureCache.build(target, ds, [0, 1], tmp_path / "cache", progress=False)
     assert len(seen) == len(ds) and not any(seen)
+
+
+def test_growing_a_draft_keeps_its_predictions_then_trains_the_new_layer(tiny, tmp_path):
+    """`add_layers` appends copies of the last layer with zeroed output projections: the grown draft predicts
+    exactly what the draft it grew from predicts (the same logits and confidences), and training then moves
+    the new layer (its output projections leave zero) and saves a draft with the extra layer that still
+    generates losslessly."""
+    from dspark_hf.train.trainer import grow_layers
+
+    _, data = tiny
+    target = make_chat_target()
+    torch.manual_seed(0)
+    start = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16)
+    start.save_pretrained(tmp_path / "start")
+    gamma, d = 4, target.config.hidden_size
+    inputs = dict(
+        target_hidden_states=torch.randn(1, 6, start.config.num_target_features * d),
+        input_ids=torch.tensor(
+            [[5, start.config.mask_token_id, start.config.mask_token_id, start.config.mask_token_id]]
+        ),
+        position_ids=torch.arange(6, 6 + gamma)[None],
+        prev_token_ids=torch.tensor([[5, 7, 8, 9]]),
+    )
+    before = start(**inputs)
+    grown = grow_layers(DSparkDraftModel.from_pretrained(str(tmp_path / "start"), target=target), 1)
+    assert len(grown.layers) == grown.config.num_hidden_layers == 2
+    after = grown(**inputs)
+    torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=0)
+    torch.testing.assert_close(after.confidence_logits, before.confidence_logits, rtol=0, atol=0)
+    # a deliberately wrong growth (the copy keeps its output projections) changes the predictions: the check has power
+    wrong = DSparkDraftModel.from_pretrained(str(tmp_path / "start"), target=target)
+    wrong.layers.append(copy.deepcopy(wrong.layers[-1]))
+    assert not torch.equal(wrong(**inputs).logits, before.logits)
+
+    train(
+        ModelArguments(init_from=str(tmp_path / "start"), add_layers=1),
+        DataArguments(train_data=str(data), num_anchors=8, eval_ratio=0.0),
+        TrainArguments(
+            output_dir=str(tmp_path / "run"), max_steps=2, learning_rate=0.01, report_to="none", progress=False
+        ),
+        target=target,
+    )
+    saved = DSparkDraftModel.from_pretrained(str(tmp_path / "run"), target=target)
+    assert saved.config.num_hidden_layers == 2
+    assert saved.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    assert saved.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=saved, **kw), target.generate(ids, **kw))
+
+
+def test_add_layers_needs_a_draft_to_grow():
+    with pytest.raises(ValueError, match="init_from"):
+        ModelArguments(add_layers=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        ModelArguments(init_from="x", add_layers=-1)

@@ -146,6 +146,14 @@ class ModelArguments:
         },
     )
     num_hidden_layers: int = field(default=2, metadata={"help": "draft layers (fresh drafts only)."})
+    add_layers: int = field(
+        default=0,
+        metadata={
+            "help": "with --init_from: append this many decoder layers, each a copy of the draft's last layer with "
+            "its output projections zeroed, so the grown draft starts out predicting exactly what the draft it "
+            "grew from predicts (more capacity without starting over)."
+        },
+    )
     block_size: int = field(default=7, metadata={"help": "γ, slots per block (fresh drafts only)."})
     sequential_head: str | None = field(
         default=None, metadata={"help": "markov, gated, rnn or none (default: preset)."}
@@ -173,6 +181,13 @@ class ModelArguments:
             self.confidence_head = self.preset == "dspark"
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"ModelArguments.draft_vocab_size must be >= 1, got {self.draft_vocab_size}.")
+        if self.add_layers < 0:
+            raise ValueError(f"ModelArguments.add_layers must be >= 0, got {self.add_layers}.")
+        if self.add_layers and self.init_from is None:
+            raise ValueError(
+                "ModelArguments.add_layers grows an existing draft: pass init_from (a fresh draft takes "
+                "num_hidden_layers instead)."
+            )
 
     def loss_weights(self) -> dict[str, float]:
         """Default loss weights of the preset: DSpark `0.1·CE + 0.9·L1 + 1.0·BCE`, DFlash CE only."""

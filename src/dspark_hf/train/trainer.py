@@ -15,6 +15,7 @@ the interrupted one would have (on CPU, the same losses to the last digit; see `
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -184,6 +185,34 @@ def _uncalibrated(draft: DSparkDraftModel) -> DSparkDraftModel:
     return draft
 
 
+@torch.no_grad()
+def grow_layers(draft: DSparkDraftModel, n: int) -> DSparkDraftModel:
+    """Append `n` decoder layers to `draft`, each a copy of its last layer with the output projections of
+    attention and MLP zeroed: a zeroed branch adds nothing to the residual stream, so the grown draft's
+    predictions are exactly those of `draft` until training moves them (the copied queries, keys and gates
+    give the new layers a trained starting point instead of noise). Returns `draft`, grown in place.
+
+    Args:
+        draft ([`DSparkDraftModel`]): a draft whose layers are in the standard (`"qwen3"`) style.
+        n (`int`): layers to add (`>= 1`).
+    """
+    if n < 1:
+        raise ValueError(f"grow_layers adds at least one layer, got n={n}.")
+    if draft.config.layer_style != "qwen3":
+        raise ValueError(f"grow_layers grows drafts of the 'qwen3' layer style, not {draft.config.layer_style!r}.")
+    last = draft.layers[-1]
+    for _ in range(n):
+        layer = copy.deepcopy(last)
+        layer.self_attn.rotary = last.self_attn.rotary  # one rotary table for all layers, as build_layers makes
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.weight.zero_()
+            if proj.bias is not None:
+                proj.bias.zero_()
+        draft.layers.append(layer)
+    draft.config.num_hidden_layers = len(draft.layers)
+    return draft
+
+
 def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
     if lora_args.lora:
         if model_args.init_from is None:
@@ -193,7 +222,8 @@ def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
         draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
         return apply_lora(draft, lora_args, base_path=model_args.init_from)
     if model_args.init_from is not None:
-        return _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
+        draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
+        return grow_layers(draft, model_args.add_layers) if model_args.add_layers else draft
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
     return DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
 
