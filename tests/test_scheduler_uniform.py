@@ -124,7 +124,11 @@ def test_a_few_unlucky_rounds_do_not_stop_drafting_for_good(prior_weight, idle_d
     evidence, so with the bare ratio (the control, `prior_weight=0, idle_decay=1`) it would never draft again,
     however good the draft. With the pseudo-count and the evidence fading in plain rounds it drafts again."""
     policy = UniformHardwareAwarePolicy(
-        sps=SPSProfile({1: 0.1, 256: 0.1}), plain_samples=0, prior_weight=prior_weight, idle_decay=idle_decay
+        sps=SPSProfile({1: 0.1, 256: 0.1}),
+        plain_samples=0,
+        prior_weight=prior_weight,
+        idle_decay=idle_decay,
+        explore=0,  # no probes: the evidence alone must bring drafting back
     )
     ctx = ScheduleContext()
     survival = torch.tensor([[0.5, 0.25, 0.125]])
@@ -208,3 +212,97 @@ def test_fixed_policy_plans_its_length_before_drafting():
     assert FixedPolicy(n=2).plan_length(1, 7, ctx) == 2
     assert FixedPolicy(n=9).plan_length(1, 7, ctx) == 7
     assert FixedPolicy(n=0).plan_length(1, 7, ctx) == 0  # a plain round
+
+
+def _cold_start(policy, ctx, rows=1):
+    """Plain rounds, then one cold drafting round at `rows` that measured everything badly: low survival and
+    a slow draft and forward. On this evidence alone no length ever pays again."""
+    for _ in range(policy.plain_samples):
+        policy.observe_round(ctx, rows=rows, forward_tokens=rows, rest_seconds=0.1)
+    policy.observe_round(
+        ctx, rows=rows, forward_tokens=4 * rows, rest_seconds=0.3, draft_seconds=0.2,
+        survival=torch.tensor([[0.05, 0.01, 0.001]] * rows), verified=[3] * rows, accepted=[0] * rows,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("explore", [16, 0])
+def test_a_cold_first_drafting_round_does_not_settle_the_verdict(explore):
+    """One cold drafting round (low survival, slow) would keep the policy plain for good: survival and costs
+    are only measured by drafting rounds. Probes re-measure: after `explore` plain rounds it drafts one
+    round at the best drafting length, and, with good measurements from it, goes on drafting. The control
+    (`explore=0`) never drafts again within 300 rounds."""
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1}), explore=explore)
+    ctx = ScheduleContext()
+    _cold_start(policy, ctx)
+    plans = []
+    for _ in range(300):
+        plans.append(policy.plan_length(1, 3, ctx))
+        if plans[-1]:
+            break
+        policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    if not explore:
+        assert set(plans) == {0} and len(plans) == 300
+        return
+    assert plans[-1] >= 1 and len(plans) == explore + 1, plans  # the probe, after `explore` plain rounds
+    assert ctx.probing
+    for _ in range(3):  # the probe and what follows measure a warm, well-predicted draft
+        policy.observe_round(
+            ctx, rows=1, forward_tokens=4, rest_seconds=0.1, draft_seconds=0.005,
+            survival=torch.tensor([[0.9, 0.8, 0.7]]), verified=[3], accepted=[3],
+        )  # fmt: skip
+    assert not ctx.probing
+    assert ctx.probe_wait[1] == explore  # the probe paid (4 tokens in 0.105 s vs 1 in 0.1 s): shortest wait
+    assert policy.plan_length(1, 3, ctx) == 3  # and drafting pays now: the verdict turned
+
+
+def test_probes_back_off_while_drafting_keeps_losing():
+    """Each probe that leaves the verdict at "plain" doubles the wait (16, 32, 64, ..., capped at
+    `explore_max`): a draft that cannot pay costs at most one round in `explore_max`."""
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1}), explore=16, explore_max=64)
+    ctx = ScheduleContext()
+    _cold_start(policy, ctx)
+    probes, since = [], 0
+    for _ in range(400):
+        length = policy.plan_length(1, 3, ctx)
+        since += 1
+        if length:
+            probes.append(since)
+            since = 0
+            policy.observe_round(  # the probe loses again: slow draft, nothing accepted
+                ctx, rows=1, forward_tokens=1 + length, rest_seconds=0.3, draft_seconds=0.2,
+                survival=torch.tensor([[0.05, 0.01, 0.001]]), verified=[length], accepted=[0],
+            )  # fmt: skip
+        else:
+            policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    assert probes[:4] == [17, 33, 65, 65], probes  # each wait, plus the probe round itself
+    assert set(probes[3:]) == {65}
+
+
+@pytest.mark.parametrize("guard_after", [4, 0])
+def test_the_payoff_guard_overrules_a_plan_that_measured_rounds_contradict(guard_after):
+    """The plan trusts confidences that promise 2.4 accepted drafts a round (a large calibration pseudo-count
+    keeps it from learning otherwise); the drafting rounds really accept nothing and emit 1 token in 0.15 s
+    where plain rounds emit 1 in 0.1 s. The guard stops drafting after `guard_after` such rounds; without it
+    (`guard_after=0`, the control) the policy keeps drafting."""
+    policy = UniformHardwareAwarePolicy(
+        sps=SPSProfile({1: 0.1, 4: 0.1}), prior_weight=100.0, guard_after=guard_after, explore=0
+    )
+    ctx = ScheduleContext()
+    plans = []
+    for _ in range(20):
+        length = policy.plan_length(1, 3, ctx)
+        plans.append(length)
+        if length:
+            policy.observe_round(
+                ctx, rows=1, forward_tokens=1 + length, rest_seconds=0.1, draft_seconds=0.05,
+                survival=torch.tensor([[0.9, 0.8, 0.7]]), verified=[length], accepted=[0],
+            )  # fmt: skip
+        else:
+            policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    assert plans[:3] == [0, 0, 0]  # plain rounds measured first
+    if guard_after:
+        assert plans[3:7] == [3, 3, 3, 3] and set(plans[7:]) == {0}, plans
+        state = ctx.payoff[1]
+        assert state.draft_rate < state.plain_rate
+    else:
+        assert plans[3:].count(3) >= 16, plans  # drafting on (but for the one plain refresh in 16)

@@ -136,6 +136,7 @@ def uniform_length(
     draft_seconds: float = 0.0,
     background_tokens: int = 0,
     measured: dict[int, float] | None = None,
+    min_length: int = 0,
 ) -> int:
     """The one verification length `L` for all `rows` requests that maximises expected tokens per second.
 
@@ -161,6 +162,8 @@ def uniform_length(
         draft_seconds (`float`, *optional*): seconds of one drafting step for `rows` requests.
         background_tokens (`int`, *optional*): other requests' tokens sharing the forward, one each.
         measured (`dict[int, float]`, *optional*): seconds of a round besides drafting, measured at `B` tokens.
+        min_length (`int`, *optional*, defaults to 0): the shortest length considered (`1`: the best length
+            that drafts, for a probe).
 
     Returns:
         `int`: the length `L`.
@@ -179,6 +182,8 @@ def uniform_length(
     expected = torch.cat([torch.zeros(1, dtype=torch.float64), survival.detach().double().cpu().cumsum(0)])
     best_length, best = 0, -1.0
     for length, gained in enumerate(expected.tolist()):
+        if length < min_length:
+            continue
         tokens = rows * (1 + length) + background_tokens
         if tokens in measured:
             cost = measured[tokens]
@@ -219,7 +224,11 @@ class ScheduleContext:
             survival probabilities, and accepted in fact, over recent rounds (decayed sums; they also fade in
             rounds that do not draft, so old evidence does not rule for good).
         planned_length (`int`, *optional*): the length a policy fixed before this round's drafting.
-        payoff (`dict[int, PayoffState]`): [`AdaptivePolicy`]'s measured rates per number of requests.
+        since_draft (`dict[int, int]`): rounds since the last drafting round, per number of requests.
+        probe_wait (`dict[int, int]`): plain rounds [`UniformHardwareAwarePolicy`] waits before its next probe,
+            per number of requests; `probing` whether the planned round is such a probe.
+        payoff (`dict[int, PayoffState]`): measured rates of drafting and plain rounds per number of requests
+            ([`AdaptivePolicy`]'s, and [`UniformHardwareAwarePolicy`]'s payoff guard).
     """
 
     sps: Callable[[int], float] | None = None
@@ -232,6 +241,9 @@ class ScheduleContext:
     predicted_accepted: float = 0.0
     realized_accepted: float = 0.0
     planned_length: int | None = None
+    since_draft: dict[int, int] = field(default_factory=dict)
+    probe_wait: dict[int, int] = field(default_factory=dict)
+    probing: bool = False
     payoff: dict[int, PayoffState] = field(default_factory=dict)
 
 
@@ -558,6 +570,21 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     evidence (by `idle_decay` each), so a ratio learned long ago drifts back towards the confidences' own
     promise and is tested again by a drafting round once that promise pays.
 
+    **Probes.** Survival and costs are only measured by drafting rounds, so a verdict "no length pays" would
+    stand for good on the strength of whatever the last drafting rounds measured, and the first drafting
+    round at a batch size is often a cold one (new forward shapes, a prompt's opening tokens). So after
+    `explore` plain rounds at a batch size in which no length paid, the policy drafts one round at the best
+    length that drafts (a probe). A probe after which drafting rounds at that size still measure fewer tokens
+    per second than plain ones (the payoff sums below, the probe weighted `probe_weight`) doubles the wait
+    before the next one, up to `explore_max`; one that turns that comparison resets it to `explore`. Its survival, timings and accepted drafts feed the estimates like any drafting round's.
+    Once the verdict is settled, at most one round in `explore_max` is spent on a losing draft.
+
+    **Payoff guard.** The plan is a model (survival times measured or profiled costs), and at a batch size where
+    drafting is marginal a small error in it decides. So the policy also keeps what drafting rounds and plain
+    rounds really emitted per second at each batch size (decayed sums, as [`AdaptivePolicy`] does): once
+    `guard_after` drafting rounds at a size have emitted fewer tokens per second than its plain rounds, the
+    planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns the comparison.
+
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
     Args:
@@ -571,6 +598,16 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             confidences in the rescaling ratio (`0`: the bare ratio, which can lock at 0).
         idle_decay (`float`, *optional*, defaults to 0.95): factor on the ratio's evidence per round that did
             not draft (`1`: evidence changes only when drafting).
+        explore (`int`, *optional*, defaults to 16): plain rounds, while no length pays, before the first
+            probe at a batch size (`0`: never probe).
+        explore_max (`int`, *optional*, defaults to 256): the longest wait between probes.
+        guard_after (`int`, *optional*, defaults to 4): drafting rounds measured at a batch size before the
+            payoff guard may overrule the plan there (`0`: no guard).
+        guard_smoothing (`float`, *optional*, defaults to 0.1): decay of the guard's drafting sums per drafting
+            round (its plain sums decay by `plain_smoothing`).
+        plain_smoothing (`float`, *optional*, defaults to 0.25): decay of the guard's plain sums per plain round.
+        probe_weight (`float`, *optional*, defaults to 0.5): decay of the guard's drafting sums at a probe, so
+            that one probe that pays can turn the comparison.
     """
 
     prior: float = 0.7
@@ -580,6 +617,12 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     refresh_every: int = 16
     prior_weight: float = 1.0
     idle_decay: float = 0.95
+    explore: int = 16
+    explore_max: int = 256
+    guard_after: int = 4
+    guard_smoothing: float = 0.1
+    plain_smoothing: float = 0.25
+    probe_weight: float = 0.5
     name = "hardware_aware_uniform"
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
@@ -600,14 +643,21 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if len(plain) < self.plain_samples or context.since_plain.get(rows, 0) >= self.refresh_every:
             return 0  # (re-)measure a plain round at this batch size: the alternative every length must beat
         measured = {b: statistics.median(ts) for (r, b), ts in context.round_seconds.items() if r == rows}
-        return uniform_length(
-            estimate,
-            rows,
-            sps,
+        kwargs = dict(
             draft_seconds=_nearest(context.draft_seconds, rows),
             background_tokens=self.background_tokens + context.background_tokens,
             measured=measured,
         )
+        length = uniform_length(estimate, rows, sps, **kwargs)
+        guard = context.payoff.get(rows)
+        if length and self.guard_after and guard is not None and guard.drafts >= self.guard_after:
+            if guard.draft_rate <= guard.plain_rate:  # drafting rounds here really emitted less per second
+                length = 0
+        wait = context.probe_wait.get(rows, self.explore)
+        if length == 0 and self.explore and gamma > 0 and context.since_draft.get(rows, 0) >= wait:
+            context.probing = True  # `observe_round` weighs the probe and sets the next wait
+            return uniform_length(estimate, rows, sps, min_length=1, **kwargs)
+        return length
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         return planned_lengths(self, survival, context)
@@ -627,6 +677,14 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if not drafted:  # evidence fades while the policy does not draft, so an old verdict is tried again
             context.predicted_accepted *= self.idle_decay
             context.realized_accepted *= self.idle_decay
+        context.since_draft[rows] = 0 if draft_seconds is not None else context.since_draft.get(rows, 0) + 1
+        self._measure_payoff(context, rows, rest_seconds, draft_seconds if drafted else None, accepted)
+        if context.probing:  # a probe that turned the payoff comparison resets the wait, else it doubles
+            context.probing = False
+            state = context.payoff.get(rows)
+            paid = state is not None and state.draft_rate > state.plain_rate
+            wait = context.probe_wait.get(rows, self.explore)
+            context.probe_wait[rows] = self.explore if paid else min(2 * wait, self.explore_max)
         if survival is not None and survival.numel():
             matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
             mean = matrix.mean(dim=0)
@@ -643,6 +701,24 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             _remember(context.draft_seconds, rows, draft_seconds, self.window)
         _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
         _check_profile(self.sps, context, rows, tokens, rest_seconds)
+
+    def _measure_payoff(self, context, rows, rest_seconds, draft_seconds, accepted) -> None:
+        """Add a round to the payoff guard's decayed sums at `rows` (tokens emitted, seconds spent)."""
+        seconds = rest_seconds + (draft_seconds or 0.0)
+        if seconds <= 0:
+            return
+        state = context.payoff.setdefault(rows, PayoffState())
+        tokens = rows + sum(accepted or ())
+        if draft_seconds is None:
+            keep = 1 - self.plain_smoothing
+            state.plain_tokens = keep * state.plain_tokens + tokens
+            state.plain_seconds = keep * state.plain_seconds + seconds
+            state.plains += 1
+            return
+        keep = 1 - (self.probe_weight if context.probing else self.guard_smoothing)
+        state.draft_tokens = keep * state.draft_tokens + tokens
+        state.draft_seconds = keep * state.draft_seconds + seconds
+        state.drafts += 1
 
 
 def _blend(old: torch.Tensor | None, mean: torch.Tensor, smoothing: float) -> torch.Tensor:
