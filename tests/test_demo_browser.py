@@ -39,8 +39,11 @@ MAX_NEW_TOKENS = 24
 # close to proportional and that bound is ~0.99: nothing an untrained draft proposes pays for itself. A small
 # load is used rather than 0 because a CPU's curve has a cliff from 1 to 2 tokens (matrix-vector → matrix
 # kernels; about +70% on the 2-core CPU this was written on), which an unloaded request's first draft must
-# clear on its own.
-LIGHT_LOAD, HEAVY_LOAD = 8, 4096
+# clear on its own. The light load is 2 (3 tokens plain, 4 with the first draft), inside the flat stretch of
+# the curve between 2 and 8 tokens: at 8 the first draft's bound `9 · (t(10) / t(9) - 1)` sat on the 8 → 12
+# segment, and a profile measured under a busy CI host (fresh cache, the other test worker running) once
+# made it exceed the seeded draft's 0.66, so the light request verified nothing (2026-12-03).
+LIGHT_LOAD, HEAVY_LOAD = 2, 4096
 
 
 def _browser_or_skip() -> None:
