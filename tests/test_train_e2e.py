@@ -315,3 +315,11 @@ def test_add_layers_needs_a_draft_to_grow():
         ModelArguments(add_layers=1)
     with pytest.raises(ValueError, match=">= 0"):
         ModelArguments(init_from="x", add_layers=-1)
+
+
+def test_add_layers_is_refused_with_lora():
+    from dspark_hf.train.args import LoraArguments
+    from dspark_hf.train.trainer import _build_model
+
+    with pytest.raises(ValueError, match="--lora"):
+        _build_model(make_chat_target(), ModelArguments(init_from="x", add_layers=1), LoraArguments(lora=True))

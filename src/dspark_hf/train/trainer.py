@@ -217,6 +217,8 @@ def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
     if lora_args.lora:
         if model_args.init_from is None:
             raise ValueError("LoRA fine-tuning adapts an existing draft: pass --init_from <draft folder or Hub id>.")
+        if model_args.add_layers:
+            raise ValueError("--add_layers grows the draft's full weights; it cannot be combined with --lora.")
         from .lora import apply_lora
 
         draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
