@@ -222,7 +222,7 @@ class DSparkEngine:
         tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for text and chat-message prompts and for
             `RequestOutput.text`.
         policy (`str` or [`VerificationPolicy`], *optional*): see [`resolve_policy`]; `"none"` disables
-            drafting. Defaults to `hardware_aware` for a calibrated draft, else `fixed` (the whole block).
+            drafting. Defaults to `hardware_aware_uniform` for a calibrated draft, else `fixed` (the whole block).
         max_batch_size (`int`, *optional*, defaults to 8): most requests decoded at once.
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.

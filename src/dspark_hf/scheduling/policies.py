@@ -263,6 +263,18 @@ class PayoffState:
     idle: int = 0  # plain rounds since drafting last lost (or was last probed)
     interval: int = 0  # plain rounds to wait before the next probe
 
+    def add(self, drafted: bool, tokens: float, seconds: float, keep: float) -> None:
+        """Add a round (`tokens` emitted in `seconds`) to the drafting or the plain sums, the old sums kept at
+        weight `keep`."""
+        if drafted:
+            self.draft_tokens = keep * self.draft_tokens + tokens
+            self.draft_seconds = keep * self.draft_seconds + seconds
+            self.drafts += 1
+        else:
+            self.plain_tokens = keep * self.plain_tokens + tokens
+            self.plain_seconds = keep * self.plain_seconds + seconds
+            self.plains += 1
+
     @property
     def draft_rate(self) -> float:
         return self.draft_tokens / self.draft_seconds if self.draft_seconds > 0 else 0.0
@@ -428,9 +440,7 @@ class AdaptivePolicy(VerificationPolicy):
         if draft_seconds is not None and verified and sum(verified) > 0:
             probe = self._probing(state) and state.idle >= state.interval
             keep = 1 - (self.probe_weight if probe else self.smoothing)
-            state.draft_tokens = keep * state.draft_tokens + tokens
-            state.draft_seconds = keep * state.draft_seconds + seconds
-            state.drafts += 1
+            state.add(True, tokens, seconds, keep)
             state.streak += 1
             if probe:  # the verdict stands: wait twice as long; it turned: back to the shortest wait
                 state.idle = 0
@@ -438,9 +448,7 @@ class AdaptivePolicy(VerificationPolicy):
                 state.interval = min(2 * state.interval, self.explore_max) if lost else self.explore
         else:
             keep = 1 - self.plain_smoothing
-            state.plain_tokens = keep * state.plain_tokens + tokens
-            state.plain_seconds = keep * state.plain_seconds + seconds
-            state.plains += 1
+            state.add(False, tokens, seconds, keep)
             state.streak = 0
             if self._probing(state):
                 state.idle += 1
@@ -707,18 +715,12 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         seconds = rest_seconds + (draft_seconds or 0.0)
         if seconds <= 0:
             return
-        state = context.payoff.setdefault(rows, PayoffState())
-        tokens = rows + sum(accepted or ())
-        if draft_seconds is None:
+        drafted = draft_seconds is not None
+        if drafted:
+            keep = 1 - (self.probe_weight if context.probing else self.guard_smoothing)
+        else:
             keep = 1 - self.plain_smoothing
-            state.plain_tokens = keep * state.plain_tokens + tokens
-            state.plain_seconds = keep * state.plain_seconds + seconds
-            state.plains += 1
-            return
-        keep = 1 - (self.probe_weight if context.probing else self.guard_smoothing)
-        state.draft_tokens = keep * state.draft_tokens + tokens
-        state.draft_seconds = keep * state.draft_seconds + seconds
-        state.drafts += 1
+        context.payoff.setdefault(rows, PayoffState()).add(drafted, rows + sum(accepted or ()), seconds, keep)
 
 
 def _blend(old: torch.Tensor | None, mean: torch.Tensor, smoothing: float) -> torch.Tensor:
