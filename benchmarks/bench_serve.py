@@ -12,7 +12,12 @@ chunks split over the tokens the later one carries, as the server's own histogra
     python benchmarks/bench_serve.py --policies default none none@stock   # plus plain decoding on stock kernels
 
 A mode `POLICY@KERNELS` runs its server with `--kernels KERNELS`; without one, each server runs its default
-kernels (exact for the float32 default target on a CPU). The table gives each mode's ratio to `none` twice: the
+kernels (exact for the float32 default target on a CPU). A `#TAG` suffix starts one more server of the same
+configuration: `none#2` is a second server without speculation, measured like the others, so its ratio to
+`none` (1.00 on a quiet machine) is the benchmark's own resolution on this host (the A/A control):
+
+    python benchmarks/bench_serve.py --policies default none none#2 --max-tokens 24 --repeats 5 --requests 16
+ The table gives each mode's ratio to `none` twice: the
 ratio of the medians, and the median of the per-repeat ratios (each pair measured back to back).
 
 Writes `benchmarks/results/serve.json` (every repeat, and medians) and prints a markdown table. Traffic goes to
@@ -65,8 +70,10 @@ def _free_port() -> int:
 
 
 def split_mode(mode: str) -> tuple[str | None, str | None]:
-    """`"policy@kernels"` -> (policy or None for the server's default, kernels or None for the default)."""
-    policy, _, kernels = mode.partition("@")
+    """`"policy@kernels#tag"` -> (policy or None for the server's default, kernels or None for the default).
+
+    The `#tag` only names a second server of the same configuration (`none#2`: the A/A control)."""
+    policy, _, kernels = mode.partition("#")[0].partition("@")
     return (None if policy == "default" else policy), (kernels or None)
 
 
@@ -251,7 +258,7 @@ def main() -> None:
     }
     try:
         for mode in args.policies:
-            log = logs / f"serve_{mode.replace(':', '_').replace('@', '_')}.log"
+            log = logs / f"serve_{mode.replace(':', '_').replace('@', '_').replace('#', '_')}.log"
             servers[mode] = start_server(mode, args, log)
             print(f"started {mode} at {servers[mode][1]}", flush=True)
         for _, url in servers.values():  # warm-up: one short request each
