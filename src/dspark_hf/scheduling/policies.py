@@ -590,8 +590,9 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     **Payoff guard.** The plan is a model (survival times measured or profiled costs), and at a batch size where
     drafting is marginal a small error in it decides. So the policy also keeps what drafting rounds and plain
     rounds really emitted per second at each batch size (decayed sums, as [`AdaptivePolicy`] does): once
-    `guard_after` drafting rounds at a size have emitted fewer tokens per second than its plain rounds, the
-    planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns the comparison.
+    `guard_after` drafting rounds at a size have not emitted `guard_margin` (10%) more tokens per second than its
+    plain rounds, the planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns the comparison. That
+    verdict also stands for every larger batch size that has not measured a gain of its own (`inherit_veto`).
 
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
@@ -613,9 +614,23 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             payoff guard may overrule the plan there (`0`: no guard).
         guard_smoothing (`float`, *optional*, defaults to 0.1): decay of the guard's drafting sums per drafting
             round (its plain sums decay by `plain_smoothing`).
-        plain_smoothing (`float`, *optional*, defaults to 0.25): decay of the guard's plain sums per plain round.
+        plain_smoothing (`float`, *optional*, defaults to 0.05): decay of the guard's plain sums per plain round.
+            Plain rounds are many and alike, so a long memory costs nothing and keeps a few slow ones (a busy
+            moment of the machine) from making drafting look like a gain.
+        guard_margin (`float`, *optional*, defaults to 0.1): drafting rounds must emit this much more per second
+            than plain rounds to count as a gain (for the guard, the probes' verdict and `inherit_veto`). Round
+            times scatter by ±10% on a shared host, and a verdict that flips on noise drafts in runs of
+            losing rounds until it flips back; a gain smaller than the margin is forgone.
         probe_weight (`float`, *optional*, defaults to 0.5): decay of the guard's drafting sums at a probe, so
             that one probe that pays can turn the comparison.
+        inherit_veto (`bool`, *optional*, defaults to `True`): a guard's verdict against drafting at a batch size
+            stands for every larger one (no plan, no probe there) unless that size's own drafting rounds measured
+            a gain. A server's batch size changes with every arrival and departure, and without this each size
+            pays its own warm-up drafts and probes; with it, the small sizes (which a server passes through as
+            traffic drains) settle the question for the large ones. It rests on a verified draft token costing
+            at least as much in a larger batch as in a smaller one (the forward's extra tokens are nearly free
+            while it is bound by reading the weights, at small batches, and cost their share of compute once
+            it is not) while a row's expected gain does not depend on the batch.
     """
 
     prior: float = 0.7
@@ -629,8 +644,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     explore_max: int = 256
     guard_after: int = 4
     guard_smoothing: float = 0.1
-    plain_smoothing: float = 0.25
+    plain_smoothing: float = 0.05
     probe_weight: float = 0.5
+    inherit_veto: bool = True
+    guard_margin: float = 0.1
     name = "hardware_aware_uniform"
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
@@ -658,9 +675,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         )
         length = uniform_length(estimate, rows, sps, **kwargs)
         guard = context.payoff.get(rows)
-        if length and self.guard_after and guard is not None and guard.drafts >= self.guard_after:
-            if guard.draft_rate <= guard.plain_rate:  # drafting rounds here really emitted less per second
-                length = 0
+        if length and self._settled(guard) and not self._pays(guard):
+            length = 0  # drafting rounds here really emitted less per second
+        if self.inherit_veto and self._vetoed_below(context, rows):
+            return 0  # drafting measured a loss at a smaller batch size: no plan and no probe here either
         wait = context.probe_wait.get(rows, self.explore)
         if length == 0 and self.explore and gamma > 0 and context.since_draft.get(rows, 0) >= wait:
             context.probing = True  # `observe_round` weighs the probe and sets the next wait
@@ -690,7 +708,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if context.probing:  # a probe that turned the payoff comparison resets the wait, else it doubles
             context.probing = False
             state = context.payoff.get(rows)
-            paid = state is not None and state.draft_rate > state.plain_rate
+            paid = state is not None and self._pays(state)
             wait = context.probe_wait.get(rows, self.explore)
             context.probe_wait[rows] = self.explore if paid else min(2 * wait, self.explore_max)
         if survival is not None and survival.numel():
@@ -709,6 +727,22 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             _remember(context.draft_seconds, rows, draft_seconds, self.window)
         _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
         _check_profile(self.sps, context, rows, tokens, rest_seconds)
+
+    def _settled(self, state: PayoffState | None) -> bool:
+        """Whether the payoff guard has measured enough drafting rounds in `state` to judge."""
+        return bool(self.guard_after) and state is not None and state.drafts >= self.guard_after
+
+    def _pays(self, state: PayoffState) -> bool:
+        """Whether drafting rounds in `state` emitted more per second than plain ones, by the margin."""
+        return state.draft_rate > (1 + self.guard_margin) * state.plain_rate
+
+    def _vetoed_below(self, context, rows: int) -> bool:
+        """Whether drafting measured a loss at some batch size smaller than `rows` while `rows` has no drafting
+        rounds of its own that measured a gain."""
+        own = context.payoff.get(rows)
+        if self._settled(own) and self._pays(own):
+            return False
+        return any(r < rows and self._settled(s) and not self._pays(s) for r, s in context.payoff.items())
 
     def _measure_payoff(self, context, rows, rest_seconds, draft_seconds, accepted) -> None:
         """Add a round to the payoff guard's decayed sums at `rows` (tokens emitted, seconds spent)."""
