@@ -590,9 +590,10 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     **Payoff guard.** The plan is a model (survival times measured or profiled costs), and at a batch size where
     drafting is marginal a small error in it decides. So the policy also keeps what drafting rounds and plain
     rounds really emitted per second at each batch size (decayed sums, as [`AdaptivePolicy`] does): once
-    `guard_after` drafting rounds at a size have not emitted `guard_margin` (10%) more tokens per second than its
-    plain rounds, the planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns the comparison. That
-    verdict also stands for every larger batch size that has not measured a gain of its own (`inherit_veto`).
+    `guard_after` drafting rounds at a size have not emitted `guard_margin` (10%) more tokens per second than
+    its plain rounds, the planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns
+    the comparison. That verdict also stands for every larger batch size that has not measured a gain of its
+    own (`inherit_veto`).
 
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
@@ -676,7 +677,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         length = uniform_length(estimate, rows, sps, **kwargs)
         guard = context.payoff.get(rows)
         if length and self._settled(guard) and not self._pays(guard):
-            length = 0  # drafting rounds here really emitted less per second
+            length = 0  # drafting rounds here did not really emit more per second (by the margin)
         if self.inherit_veto and self._vetoed_below(context, rows):
             return 0  # drafting measured a loss at a smaller batch size: no plan and no probe here either
         wait = context.probe_wait.get(rows, self.explore)
