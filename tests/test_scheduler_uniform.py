@@ -278,6 +278,24 @@ def test_probes_back_off_while_drafting_keeps_losing():
     assert set(probes[3:]) == {65}
 
 
+def _drive(policy, ctx, rounds, *, rows=1, gamma=3, rest=0.1, draft=0.05, accepted=0, survival=(0.9, 0.8, 0.7)):
+    """Run `rounds` planned rounds at batch size `rows` and return the planned lengths. A drafting round (the
+    plan > 0) takes `rest` + `draft` seconds and keeps `accepted` drafts per row under confidences `survival`;
+    a plain round emits one token per row in 0.1 s."""
+    plans = []
+    for _ in range(rounds):
+        length = policy.plan_length(rows, gamma, ctx)
+        plans.append(length)
+        if length:
+            policy.observe_round(
+                ctx, rows=rows, forward_tokens=rows * (1 + length), rest_seconds=rest, draft_seconds=draft,
+                survival=torch.tensor([list(survival)] * rows), verified=[length] * rows, accepted=[accepted] * rows,
+            )  # fmt: skip
+        else:
+            policy.observe_round(ctx, rows=rows, forward_tokens=rows, rest_seconds=0.1)
+    return plans
+
+
 @pytest.mark.parametrize("guard_after", [4, 0])
 def test_the_payoff_guard_overrules_a_plan_that_measured_rounds_contradict(guard_after):
     """The plan trusts confidences that promise 2.4 accepted drafts a round (a large calibration pseudo-count
@@ -288,17 +306,7 @@ def test_the_payoff_guard_overrules_a_plan_that_measured_rounds_contradict(guard
         sps=SPSProfile({1: 0.1, 4: 0.1}), prior_weight=100.0, guard_after=guard_after, explore=0
     )
     ctx = ScheduleContext()
-    plans = []
-    for _ in range(20):
-        length = policy.plan_length(1, 3, ctx)
-        plans.append(length)
-        if length:
-            policy.observe_round(
-                ctx, rows=1, forward_tokens=1 + length, rest_seconds=0.1, draft_seconds=0.05,
-                survival=torch.tensor([[0.9, 0.8, 0.7]]), verified=[length], accepted=[0],
-            )  # fmt: skip
-        else:
-            policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    plans = _drive(policy, ctx, 20)
     assert plans[:3] == [0, 0, 0]  # plain rounds measured first
     if guard_after:
         assert plans[3:7] == [3, 3, 3, 3] and set(plans[7:]) == {0}, plans
@@ -318,24 +326,10 @@ def test_a_loss_measured_at_a_small_batch_stands_for_larger_ones(inherit):
         sps=SPSProfile({1: 0.1, 4: 0.1, 8: 0.1, 32: 0.1}), prior_weight=100.0, inherit_veto=inherit
     )
     ctx = ScheduleContext()
-    for _ in range(12):  # batch 1: plain rounds, then drafting rounds that accept nothing, until the guard stops
-        length = policy.plan_length(1, 3, ctx)
-        if length:
-            policy.observe_round(
-                ctx, rows=1, forward_tokens=1 + length, rest_seconds=0.1, draft_seconds=0.05,
-                survival=torch.tensor([[0.9, 0.8, 0.7]]), verified=[length], accepted=[0],
-            )  # fmt: skip
-        else:
-            policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    _drive(policy, ctx, 12)  # batch 1: plain rounds, then drafting rounds that accept nothing, until the guard stops
     assert ctx.payoff[1].drafts >= policy.guard_after and ctx.payoff[1].draft_rate < ctx.payoff[1].plain_rate
-    plans = []
-    for _ in range(40):  # batch 4, past the probe wait (explore = 16)
-        length = policy.plan_length(4, 3, ctx)
-        plans.append(length)
-        policy.observe_round(ctx, rows=4, forward_tokens=4 * (1 + length), rest_seconds=0.1,
-                             draft_seconds=0.05 if length else None,
-                             survival=torch.full((4, 3), 0.8) if length else None,
-                             verified=[length] * 4 if length else None, accepted=[1] * 4 if length else None)  # fmt: skip
+    # batch 4, past the probe wait (explore = 16): confidences of 0.8, one draft a row accepted
+    plans = _drive(policy, ctx, 40, rows=4, accepted=1, survival=(0.8, 0.8, 0.8))
     if inherit:
         assert set(plans) == {0}, plans
     else:
@@ -351,17 +345,7 @@ def test_a_gain_inside_the_guard_margin_is_not_trusted(margin):
         sps=SPSProfile({1: 0.1, 4: 0.1}), prior_weight=100.0, explore=0, guard_margin=margin
     )
     ctx = ScheduleContext()
-    plans = []
-    for _ in range(24):
-        length = policy.plan_length(1, 3, ctx)
-        plans.append(length)
-        if length:
-            policy.observe_round(
-                ctx, rows=1, forward_tokens=1 + length, rest_seconds=0.14, draft_seconds=0.05,
-                survival=torch.tensor([[0.9, 0.8, 0.7]]), verified=[length], accepted=[1],
-            )  # fmt: skip
-        else:
-            policy.observe_round(ctx, rows=1, forward_tokens=1, rest_seconds=0.1)
+    plans = _drive(policy, ctx, 24, rest=0.14, accepted=1)
     drafting = sum(1 for n in plans[3:] if n)
     if margin:
         assert drafting == policy.guard_after, plans
