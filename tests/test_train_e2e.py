@@ -323,3 +323,61 @@ def test_add_layers_is_refused_with_lora():
 
     with pytest.raises(ValueError, match="--lora"):
         _build_model(make_chat_target(), ModelArguments(init_from="x", add_layers=1), LoraArguments(lora=True))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_fresh_draft_can_start_from_the_targets_top_layers(tiny, tmp_path, layers):
+    """`init_layers_from_target`: draft layer i of n holds target layer L - n + i's projections and norms, and the
+    draft's final norm the target's; the Qwen3-style q/k norms the target lacks keep their fresh values. Through
+    `train()` the option reaches the model (a draft trained 1 step at learning rate 0 still holds the copy), and
+    without it (the control) the layers are random."""
+    from dspark_hf.train.trainer import _build_model, init_layers_from_target
+
+    _, data = tiny
+    target = make_chat_target()
+    top = target.model.layers
+    n_target = len(top)
+    draft = DSparkDraftModel.from_target(target, num_hidden_layers=layers, block_size=4, markov_rank=16)
+    fresh_q_norm = draft.layers[0].self_attn.q_norm.weight.clone()
+    copied = init_layers_from_target(draft, target)
+    for i in range(layers):
+        source = top[n_target - layers + i]
+        assert torch.equal(draft.layers[i].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        assert torch.equal(draft.layers[i].mlp.down_proj.weight, source.mlp.down_proj.weight)
+        assert torch.equal(draft.layers[i].input_layernorm.weight, source.input_layernorm.weight)
+        assert f"layers.{i}.self_attn.o_proj.weight" in copied
+    assert torch.equal(draft.norm.weight, target.model.norm.weight)
+    assert torch.equal(draft.layers[0].self_attn.q_norm.weight, fresh_q_norm)
+    assert not any("q_norm" in name or name.startswith(("fc.", "markov_head.")) for name in copied)
+
+    from dspark_hf.train.args import LoraArguments
+
+    for flag in (True, False):
+        torch.manual_seed(0)
+        built = _build_model(target, ModelArguments(num_hidden_layers=1, init_layers_from_target=flag), LoraArguments())
+        same = torch.equal(built.layers[0].mlp.up_proj.weight, top[-1].mlp.up_proj.weight)
+        assert same is flag
+    train(
+        ModelArguments(num_hidden_layers=1, block_size=4, markov_rank=16, init_layers_from_target=True),
+        DataArguments(train_data=str(data), num_anchors=8, eval_ratio=0.0),
+        TrainArguments(
+            output_dir=str(tmp_path / "run"), max_steps=1, learning_rate=0.0, report_to="none", progress=False
+        ),
+        target=target,
+    )
+    saved = DSparkDraftModel.from_pretrained(str(tmp_path / "run"), target=target)
+    assert torch.equal(saved.layers[0].self_attn.k_proj.weight, top[-1].self_attn.k_proj.weight)
+
+
+def test_init_layers_from_target_is_for_fresh_drafts_and_needs_matching_shapes():
+    from dspark_hf.train.trainer import init_layers_from_target
+
+    with pytest.raises(ValueError, match="fresh draft"):
+        ModelArguments(init_from="x", init_layers_from_target=True)
+    target = make_chat_target()
+    narrow = DSparkDraftModel.from_target(target, num_hidden_layers=1, intermediate_size=8)
+    copied = init_layers_from_target(narrow, target)  # a narrower MLP: the attention is copied, the MLP is not
+    assert "layers.0.self_attn.q_proj.weight" in copied and not any(".mlp." in name for name in copied)
+    other = DSparkDraftModel.from_target(target, num_hidden_layers=1, intermediate_size=8, head_dim=4)
+    with pytest.raises(ValueError, match="shaped differently"):
+        init_layers_from_target(other, target)

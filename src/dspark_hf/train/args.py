@@ -154,6 +154,13 @@ class ModelArguments:
             "grew from predicts (more capacity without starting over)."
         },
     )
+    init_layers_from_target: bool = field(
+        default=False,
+        metadata={
+            "help": "start a fresh draft's decoder layers (and final norm) from the target's top layers instead of "
+            "random weights, wherever names and shapes match (fresh drafts only)."
+        },
+    )
     block_size: int = field(default=7, metadata={"help": "γ, slots per block (fresh drafts only)."})
     sequential_head: str | None = field(
         default=None, metadata={"help": "markov, gated, rnn or none (default: preset)."}
@@ -183,6 +190,10 @@ class ModelArguments:
             raise ValueError(f"ModelArguments.draft_vocab_size must be >= 1, got {self.draft_vocab_size}.")
         if self.add_layers < 0:
             raise ValueError(f"ModelArguments.add_layers must be >= 0, got {self.add_layers}.")
+        if self.init_layers_from_target and self.init_from is not None:
+            raise ValueError(
+                "ModelArguments.init_layers_from_target starts a fresh draft; an init_from draft keeps its own weights."
+            )
         if self.add_layers and self.init_from is None:
             raise ValueError(
                 "ModelArguments.add_layers grows an existing draft: pass init_from (a fresh draft takes "

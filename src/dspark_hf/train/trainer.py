@@ -213,6 +213,45 @@ def grow_layers(draft: DSparkDraftModel, n: int) -> DSparkDraftModel:
     return draft
 
 
+def init_layers_from_target(draft: DSparkDraftModel, target) -> list[str]:
+    """Start a fresh draft's decoder layers from the target's top layers: draft layer `i` of `n` takes the weights
+    of target layer `L - n + i` wherever a parameter of the same name and shape exists there (attention and MLP
+    projections, both layer norms), and the draft's final norm takes the target's (the draft's hidden states
+    feed the target's LM head). Parameters the target layer lacks (a Qwen3-style draft's q/k norms) keep their
+    fresh values; target parameters the draft lacks (a Qwen2 target's q/k/v biases) are not used.
+
+    Returns the names of the draft parameters it set. Raises `ValueError` when the target's layers cannot be
+    found or no parameter matches (different widths: nothing to copy).
+    """
+    from .._transformers import decoder_layers
+
+    layers = decoder_layers(target)
+    if layers is None:
+        raise ValueError(f"init_layers_from_target: cannot find the decoder layers of {type(target).__name__}.")
+    n = len(draft.layers)
+    if n > len(layers):
+        raise ValueError(f"init_layers_from_target: the draft has {n} layers, the target only {len(layers)}.")
+    pairs = [(f"layers.{i}.", layers[len(layers) - n + i]) for i in range(n)]
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    if isinstance(final_norm, torch.nn.Module):
+        pairs.append(("norm.", final_norm))
+    own = dict(draft.named_parameters())
+    copied = []
+    with torch.no_grad():
+        for prefix, module in pairs:
+            for name, value in module.named_parameters():
+                mine = own.get(prefix + name)
+                if mine is not None and mine.shape == value.shape:
+                    mine.copy_(value.to(dtype=mine.dtype, device=mine.device))
+                    copied.append(prefix + name)
+    if not any(name.startswith("layers.") and "_proj." in name for name in copied):
+        raise ValueError(
+            "init_layers_from_target: no projection of the draft's layers matches the target's in name and shape "
+            "(the draft is shaped differently from the target's layers: heads, head size or MLP width)."
+        )
+    return copied
+
+
 def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
     if lora_args.lora:
         if model_args.init_from is None:
@@ -227,7 +266,10 @@ def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
         draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
         return grow_layers(draft, model_args.add_layers) if model_args.add_layers else draft
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
-    return DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
+    draft = DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
+    if model_args.init_layers_from_target:
+        init_layers_from_target(draft, target)
+    return draft
 
 
 def _draft_vocab(model, model_args: ModelArguments, train_ds: TokenDataset, target) -> torch.Tensor | None:
