@@ -401,6 +401,9 @@ def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
     data = json.loads((out / "results.json").read_text())
     survival, deepspec = "aligned@threshold:0.7", "aligned@confidence_threshold:0.7"
     assert data["config"]["policy"] == {survival: "threshold:0.7", deepspec: "confidence_threshold:0.7"}
+    # each method reports the policy it ran (the two share one draft object, whose last stats are the last run's)
+    assert data["methods"][survival]["policy"].startswith("ThresholdPolicy"), data["methods"][survival]
+    assert data["methods"][deepspec]["policy"].startswith("ConfidenceThresholdPolicy"), data["methods"][deepspec]
     for method in (survival, deepspec):
         assert data["quality"]["greedy_identity"]["mine"][method]["exact_match"] == 1.0
     verified = {r["method"]: [v for v, _ in r["rounds"]] for r in data["runs"] if r["method"] in (survival, deepspec)}

@@ -731,11 +731,12 @@ def evaluate_drafts(
             for method in methods:
                 if method != PROMPT_LOOKUP or temp == 0:
                     run_once(warm, method, configs, seed)
-    for name, draft in drafts.items():  # the policy each draft runs with (its warm-up run resolved it)
-        stats = getattr(draft, "last_generation_stats", None) if first is not None else None
-        if stats is not None:
-            methods[name]["policy"] = stats.policy
-            methods[name]["cuda_graphs"] = stats.cuda_graphs
+                # the policy each method runs with, as its own warm-up run resolved it (read right after that
+                # run: methods NAME@POLICY share one draft object, whose last stats are the last method's)
+                stats = getattr(drafts.get(method), "last_generation_stats", None)
+                if stats is not None and "policy" not in methods[method]:
+                    methods[method]["policy"] = stats.policy
+                    methods[method]["cuda_graphs"] = stats.cuda_graphs
 
     runs = []
     for set_name, rows in items.items():
