@@ -9,6 +9,7 @@ from ..evaluation.prompt_sets import EVAL_SETS
 from ._common import UserError, model_source
 
 GRAPH_MODES = {"auto": None, "on": True, "off": False}  # --cuda-graphs → generate(dspark_cuda_graphs=...)
+LOOKUP_MODES = {"default": None, "on": True, "off": False}  # --lookup → generate(dspark_lookup=...)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="dspark_cuda_graphs for every draft: auto (the default: on for CUDA), on or off. Several values run "
         "each draft under each, as methods NAME@graphs-MODE, side by side (e.g. --cuda-graphs on off)",
+    )
+    parser.add_argument(
+        "--lookup",
+        nargs="+",
+        choices=sorted(LOOKUP_MODES),
+        default=None,
+        help="dspark_lookup for every draft: default (what generate() does by default), on (prompt lookup proposes "
+        "before the draft drafts, see dspark_hf.decoding.lookup) or off. Several values run each draft under each, "
+        "as methods NAME@lookup-MODE, side by side (e.g. --lookup on off)",
     )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -143,7 +153,9 @@ def main(args: argparse.Namespace) -> int:
     graphs_given = args.cuda_graphs or ["auto"]
     policy = None if specs_given[0] == "default" else specs_given[0]
     cuda_graphs = GRAPH_MODES[graphs_given[0]]
-    if len(specs_given) > 1 or len(graphs_given) > 1:
+    lookups_given = args.lookup or ["default"]
+    lookup = LOOKUP_MODES[lookups_given[0]]
+    if len(specs_given) > 1 or len(graphs_given) > 1 or len(lookups_given) > 1:
         # one method per (draft, policy, graph mode); the same draft object serves all of them
         from ..scheduling.policies import resolve_policy
 
@@ -154,13 +166,16 @@ def main(args: argparse.Namespace) -> int:
         for name in drafts:
             for spec in specs_given:
                 for mode in graphs_given:
-                    method = name + (f"@{spec}" if len(specs_given) > 1 else "")
-                    named[method + (f"@graphs-{mode}" if len(graphs_given) > 1 else "")] = (name, spec, mode)
-        drafts = {method: drafts[name] for method, (name, _, _) in named.items()}
-        policy = {method: None if spec == "default" else spec for method, (_, spec, _) in named.items()}
-        cuda_graphs = {method: GRAPH_MODES[mode] for method, (_, _, mode) in named.items()}
-        specs = [(method, dict(specs)[name]) for method, (name, _, _) in named.items()]
-        fresh = [method for method, (name, _, _) in named.items() if name in fresh]
+                    for look in lookups_given:
+                        method = name + (f"@{spec}" if len(specs_given) > 1 else "")
+                        method += f"@graphs-{mode}" if len(graphs_given) > 1 else ""
+                        named[method + (f"@lookup-{look}" if len(lookups_given) > 1 else "")] = (name, spec, mode, look)
+        drafts = {method: drafts[name] for method, (name, *_) in named.items()}
+        policy = {method: None if spec == "default" else spec for method, (_, spec, _, _) in named.items()}
+        cuda_graphs = {method: GRAPH_MODES[mode] for method, (_, _, mode, _) in named.items()}
+        lookup = {method: LOOKUP_MODES[look] for method, (*_, look) in named.items()}
+        specs = [(method, dict(specs)[name]) for method, (name, *_) in named.items()]
+        fresh = [method for method, (name, *_) in named.items() if name in fresh]
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None
     report = evaluate_drafts(
         target,
@@ -174,6 +189,7 @@ def main(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         policy=policy,
         cuda_graphs=cuda_graphs,
+        lookup=lookup,
         seed=args.seed,
         prompt_lookup=args.prompt_lookup,
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,

@@ -50,6 +50,7 @@ from .drafting import (
     verified_lengths,
 )
 from .drafting import round_stats as make_round_stats
+from .lookup import DEFAULT_LOOKUP, lookup_continuation, resolve_lookup
 from .stats import GenerationStats, RoundStats
 
 EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
@@ -107,6 +108,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.policy = resolve_policy(
             spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated
         )
+        # prompt lookup as a second proposer (dspark_hf.decoding.lookup), by the same precedence as the policy
+        lookup = draft._call_lookup
+        if lookup is None:
+            lookup = getattr(generation_config, "dspark_lookup", None)
+        if lookup is None:
+            lookup = draft.lookup
+        self.lookup = resolve_lookup(DEFAULT_LOOKUP if lookup is None else lookup)
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
             from ..scheduling.sps import get_sps_profile
@@ -159,6 +167,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._collect_context(input_ids, model_outputs)
             budget = self.max_length - input_ids.shape[1] - 1  # the round always adds one target token
             gamma = min(self.config.block_size, budget)
+            copied = lookup_continuation(input_ids[0], self.lookup, gamma) if self.lookup and gamma > 0 else []
+            if copied:  # the context already holds a continuation: verify the copy, the draft does not run
+                if self._features_pending >= _PENDING_LIMIT:
+                    self._ingest_pending()
+                self._pending = empty_round_stats()
+                self._pending.source, self._pending.drafted, self._pending.verified = "lookup", copied, len(copied)
+                self._pending.draft_time = time.perf_counter() - t0
+                self._verify_start = time.perf_counter()
+                proposal = torch.tensor([copied], dtype=input_ids.dtype, device=input_ids.device)
+                # no `q`: a copy is a deterministic proposal, which transformers verifies exactly (greedy: the
+                # longest agreeing prefix; sampling: each position sampled from the target and compared)
+                return torch.cat([input_ids, proposal], dim=-1), None
             # a policy may fix the length before drafting; 0 makes this round an ordinary target step
             planned = self.policy.plan_length(1, self.config.block_size, self.schedule_context) if gamma > 0 else 0
             self.schedule_context.planned_length = planned
@@ -193,6 +213,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         pending.verify_time = time.perf_counter() - self._verify_start
         self.stats.rounds.append(pending)
         self._pending = None
+        if pending.source == "lookup":  # the policy weighs the draft against plain rounds; a copy is neither
+            return
         drafted = bool(pending.drafted)
         self.policy.observe_round(
             self.schedule_context,
@@ -347,7 +369,7 @@ def install_generate_hook() -> None:
         # calls alike, so both can run on the same kernels; without it, a mode set with set_kernels() does.
         kernels = kwargs.pop("dspark_kernels", None)
         if not isinstance(draft, DSparkDraftModel):
-            for name in ("dspark_policy", "dspark_cuda_graphs"):
+            for name in ("dspark_policy", "dspark_cuda_graphs", "dspark_lookup"):
                 if name in kwargs:
                     raise ValueError(f"`{name}` only applies with `assistant_model=<DSparkDraftModel>`.")
             kernels = kernels or explicit_kernels()
@@ -360,6 +382,7 @@ def install_generate_hook() -> None:
         # unknown keyword, so it is handed to the candidate generator through the draft.
         draft._call_policy = kwargs.pop("dspark_policy", None)
         draft._call_cuda_graphs = kwargs.pop("dspark_cuda_graphs", None)  # likewise (draft_graphs.py)
+        draft._call_lookup = kwargs.pop("dspark_lookup", None)  # likewise (lookup.py)
         try:
             # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
             # verifying k tokens cost about what one token does (see dspark_hf.model.kernels).
@@ -371,6 +394,7 @@ def install_generate_hook() -> None:
         finally:
             draft._call_policy = None
             draft._call_cuda_graphs = None
+            draft._call_lookup = None
             draft._call_recorder = None
 
     generate._dspark_original = original_generate

@@ -24,6 +24,9 @@ class RoundStats:
         draft_time (`float`): seconds in the backbone (context update + block forward + base logits).
         sequential_time (`float`): seconds in the left-to-right sampling loop (sequential + confidence heads).
         verify_time (`float`): seconds from handing candidates to the target until the acceptance was known.
+        source (`str`): who proposed the verified tokens: `"draft"` (the draft, or nobody in a plain round) or
+            `"lookup"` (copied from the context by prompt lookup, see `dspark_hf.decoding.lookup`; `drafted`
+            then holds the copied tokens and the confidence fields are empty).
     """
 
     drafted: list[int]
@@ -36,6 +39,7 @@ class RoundStats:
     draft_time: float = 0.0
     sequential_time: float = 0.0
     verify_time: float = 0.0
+    source: str = "draft"
 
     @property
     def predicted_accepted(self) -> float:
@@ -71,12 +75,18 @@ class GenerationStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """`list[float]`: prefix survival P(first k drafts accepted | k were verified), k = 1..γ (NaN if never)."""
+        """`list[float]`: prefix survival P(first k drafts accepted | k were verified), k = 1..γ (NaN if never),
+        over the rounds the draft proposed (lookup rounds are the copy's, not the draft's)."""
         rates = []
         for k in range(self.block_size):
-            verified = [r for r in self.rounds if r.verified > k]
+            verified = [r for r in self.rounds if r.verified > k and r.source == "draft"]
             rates.append(sum(r.accepted > k for r in verified) / len(verified) if verified else float("nan"))
         return rates
+
+    @property
+    def lookup_rounds(self) -> int:
+        """`int`: rounds whose verified tokens prompt lookup copied from the context."""
+        return sum(r.source == "lookup" for r in self.rounds)
 
     @property
     def mean_verified(self) -> float:
@@ -112,6 +122,7 @@ class GenerationStats:
             "mean_accepted": self.mean_accepted,
             "mean_predicted_accepted": self.mean_predicted_accepted,
             "acceptance_by_position": self.acceptance_by_position,
+            "lookup_rounds": self.lookup_rounds,
             "time_split": self.time_split(),
             "cuda_graphs": self.cuda_graphs,
         }

@@ -42,8 +42,10 @@ TASK_METRICS = {"gsm8k": ("gsm8k_accuracy", "accuracy"), "humaneval": ("humaneva
 
 # ---------------------------------------------------------------------- per-position statistics (pure)
 def rounds_of(stats) -> list[tuple[int, int]]:
-    """`(verified, accepted)` per round of a [`GenerationStats`] (all that the acceptance curves need)."""
-    return [(r.verified, r.accepted) for r in stats.rounds]
+    """`(verified, accepted)` per round of a [`GenerationStats`] (all that the acceptance curves need). A round
+    whose tokens prompt lookup copied counts as verifying no drafted token, so the acceptance curves are the
+    draft's alone while τ (accepted + 1 per round) counts every token."""
+    return [(r.verified if getattr(r, "source", "draft") == "draft" else 0, r.accepted) for r in stats.rounds]
 
 
 def _ratio(num: int, den: int) -> float:
@@ -611,6 +613,7 @@ def evaluate_drafts(
     repeats: int = 1,
     policy: str | Mapping[str, str | None] | None = None,
     cuda_graphs: bool | Mapping[str, bool | None] | None = None,
+    lookup: bool | Mapping[str, bool | None] | None = None,
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -645,6 +648,8 @@ def evaluate_drafts(
         cuda_graphs (`bool` or `Mapping[str, bool]`, *optional*): `dspark_cuda_graphs` for every draft, or one
             per draft name; `None` leaves `generate()`'s own choice (on for a CUDA draft). Whether the graph path
             ran is recorded in `report.methods[name]["cuda_graphs"]`.
+        lookup (`bool` or `Mapping[str, bool]`, *optional*): `dspark_lookup` for every draft, or one per draft
+            name (prompt lookup before drafting, `dspark_hf.decoding.lookup`); `None` leaves `generate()`'s default.
         seed (`int`, *optional*, defaults to 0): base seed.
         prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0.
         prompt_lookup_num_tokens (`int`, *optional*, defaults to 10): its `prompt_lookup_num_tokens`.
@@ -712,6 +717,9 @@ def evaluate_drafts(
             graphs = cuda_graphs.get(method) if isinstance(cuda_graphs, Mapping) else cuda_graphs
             if graphs is not None:
                 kwargs["dspark_cuda_graphs"] = graphs
+            look = lookup.get(method) if isinstance(lookup, Mapping) else lookup
+            if look is not None:
+                kwargs["dspark_lookup"] = look
         torch.manual_seed(run_seed)
         synchronize(target.device)
         start = time.perf_counter()
@@ -771,6 +779,7 @@ def evaluate_drafts(
         "repeats": repeats,
         "policy": dict(policy) if isinstance(policy, Mapping) else policy,
         "cuda_graphs": dict(cuda_graphs) if isinstance(cuda_graphs, Mapping) else cuda_graphs,
+        "lookup": dict(lookup) if isinstance(lookup, Mapping) else lookup,
         "seed": seed,
         "torch_threads": torch.get_num_threads(),
         "kernels": mode,

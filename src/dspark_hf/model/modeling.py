@@ -125,6 +125,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # CUDA-graph capture of the draft step in generate() (dspark_hf.decoding.draft_graphs): None = on for CUDA
         self.cuda_graphs: bool | None = None
         self._call_cuda_graphs = None  # set for the duration of one generate(dspark_cuda_graphs=...) call
+        # prompt lookup as a second proposer in generate() (dspark_hf.decoding.lookup): None = the library default
+        self.lookup = None
+        self._call_lookup = None  # set for the duration of one generate(dspark_lookup=...) call
         self._call_recorder = None  # the target-layer hooks of one speculative generate() call (generation.py)
         self._step_graphs = None  # the captured steps, made on first use
         self.last_generation_stats = None
