@@ -494,3 +494,26 @@ def test_evaluate_drafts_on_the_exact_kernels_times_both_plain_baselines(monkeyp
     assert "Greedy identity with plain generate() on the same (exact) kernels" in md
     with pytest.raises(ValueError, match="Unknown kernel mode"):
         evaluate_drafts(target, tok, {"d": draft}, prompts=prompts, kernels="fast", progress=False)
+
+
+def test_cli_eval_runs_with_and_without_lookup(tiny, tmp_path):
+    """`--lookup off on` runs every draft both ways, as methods NAME@lookup-MODE, next to transformers' own prompt
+    lookup (whose generation config must not be mistaken for the draft's lookup setting), each exact."""
+    pytest.importorskip("evaluate")
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
+
+    target, tok, draft = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = save_prompt_file([PromptItem("mine", "p0", "one two three one two three one two")], tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
+    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "16", "--temperatures", "0"]
+    argv += ["--lookup", "off", "on", "--prompt-lookup", "--output", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    on, off = "aligned@lookup-on", "aligned@lookup-off"
+    assert data["config"]["lookup"] == {off: False, on: True}
+    for method in (on, off, "prompt_lookup"):
+        assert data["quality"]["greedy_identity"]["mine"][method]["exact_match"] == 1.0

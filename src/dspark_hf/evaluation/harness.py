@@ -706,8 +706,8 @@ def evaluate_drafts(
         methods[PROMPT_LOOKUP] = {"kind": "prompt_lookup", "num_tokens": prompt_lookup_num_tokens}
 
     def run_once(inputs, method, configs, run_seed):
-        config, lookup = configs
-        kwargs = {"generation_config": lookup if method == PROMPT_LOOKUP else config}
+        config, lookup_config = configs
+        kwargs = {"generation_config": lookup_config if method == PROMPT_LOOKUP else config}
         kwargs["dspark_kernels"] = methods[method].get("kernels", mode)  # drafts and prompt lookup: `mode`
         if method in drafts:
             kwargs["assistant_model"] = drafts[method]
