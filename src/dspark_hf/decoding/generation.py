@@ -84,6 +84,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
 
+    Prompt lookup (`dspark_hf.decoding.lookup`) proposes before the draft drafts when it is on: by precedence
+    `generate(dspark_lookup=...)`, `generation_config.dspark_lookup`, `draft.lookup`, the draft config's
+    `default_lookup`, then off. A round whose last tokens recur in the context verifies the copy instead of a
+    draft; verification is the same, so output stays exactly the target's.
+
     The draft step runs as a captured CUDA graph when the `cuda_graphs` option is on (by precedence
     `generate(dspark_cuda_graphs=...)`, `generation_config.dspark_cuda_graphs`, `draft.cuda_graphs`; `None`, the
     default, is on for a CUDA draft), see `dspark_hf.decoding.draft_graphs`.
@@ -114,6 +119,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             lookup = getattr(generation_config, "dspark_lookup", None)
         if lookup is None:
             lookup = draft.lookup
+        if lookup is None:
+            lookup = getattr(self.config, "default_lookup", None)
         self.lookup = resolve_lookup(DEFAULT_LOOKUP if lookup is None else lookup)
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:

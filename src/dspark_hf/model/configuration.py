@@ -129,6 +129,10 @@ class DSparkConfig(PreTrainedConfig):
             (`hardware_aware_uniform` for a calibrated draft). A shipped draft records here the policy measured
             fastest for it at batch 1 (`benchmarks/bench_policies.py`). The batched engine and `dspark serve`
             do not read it: under load they need a policy that backs off.
+        default_lookup (`bool`, *optional*): whether `generate()` with this draft tries prompt lookup before drafting
+            (`dspark_hf.decoding.lookup`) when the call, its generation config and `draft.lookup` leave it
+            unset; `None` (the default) leaves it to the library (off). A shipped draft records here what was
+            measured faster for it at batch 1 (`docs/results.md`).
         draft_vocab_size (`int`, *optional*): `K`, the size of the draft-side vocabulary subset the draft
             proposes from at inference (the ids are the model's `draft_vocab_ids` buffer, saved with the
             weights). `None` (the default) is the full vocabulary. Set both with
@@ -176,6 +180,7 @@ class DSparkConfig(PreTrainedConfig):
     calibration_temperatures: list[float] | None = None
     confidence_calibrated: bool = False
     default_policy: str | None = None
+    default_lookup: bool | None = None
     draft_vocab_size: int | None = None
     target_name_or_path: str | None = None
     target_revision: str | None = None
