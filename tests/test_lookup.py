@@ -52,6 +52,10 @@ def test_lookup_settings():
             resolve_lookup(bad)
     with pytest.raises(ValueError, match="min_ngram"):
         LookupConfig(min_ngram=3, max_ngram=2)
+    from dspark_hf import DSparkConfig
+
+    with pytest.raises(ValueError, match="default_lookup"):
+        DSparkConfig(target_num_hidden_layers=4, default_lookup="yes")
 
 
 def _repetitive_prompts(vocab: int, seed: int = 7):

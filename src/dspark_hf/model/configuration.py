@@ -257,6 +257,11 @@ class DSparkConfig(PreTrainedConfig):
                 f"DSparkConfig.markov_rank must be a positive integer when sequential_head={self.sequential_head!r}, "
                 f"got {self.markov_rank!r}. Use e.g. 64-256, or sequential_head='none' for no sequential head."
             )
+        if self.default_lookup is not None and not isinstance(self.default_lookup, bool):
+            raise ValueError(
+                f"DSparkConfig.default_lookup must be true, false or null (the library's default), got "
+                f"{self.default_lookup!r}."
+            )
         self._validate_layers()
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

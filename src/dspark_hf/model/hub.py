@@ -192,6 +192,12 @@ def model_card(
             "Default verification policy in `generate()`",
             f"`{c.default_policy}` (recorded in the config)" if c.default_policy else "the library's",
         ),
+        (
+            "Prompt lookup before drafting in `generate()`",
+            "the library's default (off)"
+            if getattr(c, "default_lookup", None) is None
+            else f"{'on' if c.default_lookup else 'off'} (recorded in the config)",
+        ),
         ("Draft parameters", f"{sum(p.numel() for p in draft.parameters()):,}"),
         ("Written by", f"dspark-hf {c.dspark_version or __version__}"),
     ]
