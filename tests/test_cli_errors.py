@@ -106,6 +106,7 @@ def test_generate_output_is_clean_and_names_its_policy(saved_pair, capfd):
     out, err = capfd.readouterr()
     assert "policy: fixed (--policy" in out
     assert "tau (tokens per target forward: accepted drafts + 1):" in out
+    assert "prompt lookup: off" in out  # a draft that records no default_lookup: the library's default
     assert "speedup:" in out
     # greedy runs set no sampling filters, so transformers does not warn that they are ignored
     assert "may be ignored" not in out + err

@@ -162,6 +162,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         chosen = "the library default for this draft"
     print(f"policy: {policy.name} ({chosen}; {stats.policy})")
+    if stats.lookup_rounds or draft.config.default_lookup or draft.lookup:
+        print(f"prompt lookup: {stats.lookup_rounds} of {stats.num_rounds} rounds verified a copy from the context")
+    else:
+        print("prompt lookup: off (draft.lookup / the draft's default_lookup)")
     print(f"kernels: {mode} ({'--kernels' if args.kernels else 'the default'}; plain generate() below uses stock)")
     print(f"tau (tokens per target forward: accepted drafts + 1): {stats.tau:.2f} over {stats.num_rounds} rounds")
     print(f"plain generate(), stock kernels: {plain_tps:7.1f} tokens/s (median of {args.repeats})")
