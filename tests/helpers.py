@@ -187,3 +187,28 @@ def assert_export_round_trip(draft, loaded, folder, tol: float = REFERENCE_TOL) 
         assert max_diff(a, b) == 0.0
     for a, b in zip(ours(draft, *inputs), reference_forward(folder, *inputs)):
         assert max_diff(a, b) <= tol
+
+
+def record_draft_context(draft) -> list:
+    """Wrap `draft.extend_context` so that every `(context, positions)` it ingests is appended to the returned list."""
+    seen = []
+    original = draft.extend_context
+
+    def recording(cache, context, positions):
+        seen.append((context, positions))
+        return original(cache, context, positions)
+
+    draft.extend_context = recording
+    return seen
+
+
+def assert_context_is_the_targets(target, draft, seen, out) -> None:
+    """The draft ingested exactly the target's features of the committed tokens of `out`, in order and once each."""
+    positions = torch.cat([p for _, p in seen], dim=-1)[0]
+    context = torch.cat([c for c, _ in seen], dim=1)
+    assert positions.tolist() == list(range(positions.numel()))
+    assert positions.numel() <= out.shape[1] - 1
+    with torch.no_grad():
+        full = target(out[:, : positions.numel()], output_hidden_states=True)
+        expected = draft.project_context([full.hidden_states[i + 1] for i in draft.config.target_layer_ids])
+    torch.testing.assert_close(context, expected, atol=1e-9, rtol=1e-9)

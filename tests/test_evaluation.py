@@ -379,26 +379,33 @@ def test_cli_eval_prompt_file_device_and_dtype(tiny, tmp_path):
     assert data["quality"]["greedy_identity"]["mine"]["aligned"]["exact_match"] == 1.0
 
 
+def _eval_cli(tiny, tmp_path, draft, name: str, prompt: str, max_new_tokens: int, *extra: str) -> dict:
+    """Save the tiny target and `draft` (as NAME), run `dspark eval` on one greedy prompt with `extra` arguments
+    and return its results.json."""
+    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
+
+    target, tok, _ = tiny
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    prompts = save_prompt_file([PromptItem("mine", "p0", prompt)], tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"{name}={tmp_path / 'draft'}"]
+    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", str(max_new_tokens)]
+    argv += ["--temperatures", "0", "--output", str(out), "--no-progress", *extra]
+    assert cli_main(argv) == 0
+    return json.loads((out / "results.json").read_text())
+
+
 def test_cli_eval_runs_both_threshold_rules(tiny, tmp_path):
     """`--policy A B` runs every draft under each policy: the survival rule and DeepSpec's rule side by side."""
     pytest.importorskip("evaluate")
-    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
-
-    target, tok, draft = tiny
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    draft = copy.deepcopy(draft)
+    draft = copy.deepcopy(tiny[2])
     with torch.no_grad():  # confidence 0.9 at every position, as in the issue's example
         draft.confidence_head.proj.weight.zero_()
         draft.confidence_head.proj.bias.fill_(math.log(9.0))
-    draft.save_pretrained(tmp_path / "draft")
-    prompts = save_prompt_file([PromptItem("mine", "p0", "count to three")], tmp_path / "p.jsonl")
-    out = tmp_path / "out"
-    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
-    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "16", "--temperatures", "0"]
-    argv += ["--policy", "threshold:0.7", "confidence_threshold:0.7", "--output", str(out), "--no-progress"]
-    assert cli_main(argv) == 0
-    data = json.loads((out / "results.json").read_text())
+    policies = ("--policy", "threshold:0.7", "confidence_threshold:0.7")
+    data = _eval_cli(tiny, tmp_path, draft, "aligned", "count to three", 16, *policies)
     survival, deepspec = "aligned@threshold:0.7", "aligned@confidence_threshold:0.7"
     assert data["config"]["policy"] == {survival: "threshold:0.7", deepspec: "confidence_threshold:0.7"}
     # each method reports the policy it ran (the two share one draft object, whose last stats are the last run's)
@@ -416,19 +423,8 @@ def test_cli_eval_runs_cuda_graphs_on_and_off(tiny, tmp_path):
     """`--cuda-graphs on off` runs every draft both ways, side by side; each method records whether the graph
     path ran (never on this CPU: the "on" method falls back, with the same tokens)."""
     pytest.importorskip("evaluate")
-    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
-
-    target, tok, draft = tiny
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    draft.save_pretrained(tmp_path / "draft")
-    prompts = save_prompt_file([PromptItem("mine", "p0", "count to three")], tmp_path / "p.jsonl")
-    out = tmp_path / "out"
-    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"d={tmp_path / 'draft'}"]
-    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "12", "--temperatures", "0"]
-    argv += ["--cuda-graphs", "on", "off", "--output", str(out), "--no-progress", "--no-prompt-lookup"]
-    assert cli_main(argv) == 0
-    data = json.loads((out / "results.json").read_text())
+    graphs = ("--cuda-graphs", "on", "off", "--no-prompt-lookup")
+    data = _eval_cli(tiny, tmp_path, tiny[2], "d", "count to three", 12, *graphs)
     assert data["config"]["cuda_graphs"] == {"d@graphs-on": True, "d@graphs-off": False}
     assert data["methods"]["d@graphs-on"]["cuda_graphs"] is False  # asked for, not possible on a CPU
     for method in ("d@graphs-on", "d@graphs-off"):
@@ -500,19 +496,8 @@ def test_cli_eval_runs_with_and_without_lookup(tiny, tmp_path):
     """`--lookup off on` runs every draft both ways, as methods NAME@lookup-MODE, next to transformers' own prompt
     lookup (whose generation config must not be mistaken for the draft's lookup setting), each exact."""
     pytest.importorskip("evaluate")
-    from dspark_hf.evaluation.prompt_sets import PromptItem, save_prompt_file
-
-    target, tok, draft = tiny
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    draft.save_pretrained(tmp_path / "draft")
-    prompts = save_prompt_file([PromptItem("mine", "p0", "one two three one two three one two")], tmp_path / "p.jsonl")
-    out = tmp_path / "out"
-    argv = ["eval", "--target", str(tmp_path / "target"), "--draft", f"aligned={tmp_path / 'draft'}"]
-    argv += ["--prompts", str(prompts), "--no-task-metrics", "--max-new-tokens", "16", "--temperatures", "0"]
-    argv += ["--lookup", "off", "on", "--prompt-lookup", "--output", str(out), "--no-progress"]
-    assert cli_main(argv) == 0
-    data = json.loads((out / "results.json").read_text())
+    lookups = ("--lookup", "off", "on", "--prompt-lookup")
+    data = _eval_cli(tiny, tmp_path, tiny[2], "aligned", "one two three one two three one two", 16, *lookups)
     on, off = "aligned@lookup-on", "aligned@lookup-off"
     assert data["config"]["lookup"] == {off: False, on: True}
     for method in (on, off, "prompt_lookup"):

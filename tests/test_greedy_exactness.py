@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from helpers import ARCHS, make_aligned_draft, make_target
+from helpers import ARCHS, assert_context_is_the_targets, make_aligned_draft, make_target, record_draft_context
 
 HEADS = ["markov", "gated", "rnn", "none"]
 POLICIES = ["fixed", "threshold:0.3", "adaptive:3"]
@@ -128,22 +128,8 @@ def test_draft_context_matches_target_hidden_states(references):
     """The draft's KV context is exactly the target's features of every committed token, in order."""
     target, prompts, _ = references["qwen3"]
     draft = make_aligned_draft(target, "markov")
-    seen = []
-    original = draft.extend_context
-
-    def recording(cache, context, positions):
-        seen.append((context, positions))
-        return original(cache, context, positions)
-
-    draft.extend_context = recording
+    seen = record_draft_context(draft)
     ids, _ = prompts[5]
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
-    positions = torch.cat([p for _, p in seen], dim=-1)[0]
-    context = torch.cat([c for c, _ in seen], dim=1)
-    committed = out.shape[1] - 1 if len(draft.last_generation_stats.rounds) else 0
-    assert positions.tolist() == list(range(positions.numel()))
-    assert positions.numel() <= committed
-    with torch.no_grad():
-        full = target(out[:, : positions.numel()], output_hidden_states=True)
-        expected = draft.project_context([full.hidden_states[i + 1] for i in draft.config.target_layer_ids])
-    torch.testing.assert_close(context, expected, atol=1e-9, rtol=1e-9)
+    assert len(draft.last_generation_stats.rounds)
+    assert_context_is_the_targets(target, draft, seen, out)

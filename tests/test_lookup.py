@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.decoding.lookup import LookupConfig, lookup_continuation, resolve_lookup
 
-from helpers import ARCHS, make_aligned_draft, make_target
+from helpers import ARCHS, assert_context_is_the_targets, make_aligned_draft, make_target, record_draft_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,24 +90,11 @@ def test_greedy_output_with_lookup_is_identical_and_the_drafts_context_stays_exa
             lookups += sum(r.source == "lookup" for r in rounds)
     assert lookups >= 8, lookups
 
-    seen = []
-    original = draft.extend_context
-
-    def recording(cache, context, positions):
-        seen.append((context, positions))
-        return original(cache, context, positions)
-
-    draft.extend_context = recording
+    seen = record_draft_context(draft)
     ids, _ = _repetitive_prompts(96)[5]
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft, dspark_lookup=True)
     assert draft.last_generation_stats.lookup_rounds > 0
-    positions = torch.cat([p for _, p in seen], dim=-1)[0]
-    context = torch.cat([c for c, _ in seen], dim=1)
-    assert positions.tolist() == list(range(positions.numel())) and positions.numel() <= out.shape[1] - 1
-    with torch.no_grad():
-        full = target(out[:, : positions.numel()], output_hidden_states=True)
-        expected = draft.project_context([full.hidden_states[i + 1] for i in draft.config.target_layer_ids])
-    torch.testing.assert_close(context, expected, atol=1e-9, rtol=1e-9)
+    assert_context_is_the_targets(target, draft, seen, out)
 
 
 def test_lookup_precedence_and_the_policy_never_sees_a_copy():

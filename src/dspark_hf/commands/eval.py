@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 from ..evaluation.prompt_sets import EVAL_SETS
@@ -162,14 +163,12 @@ def main(args: argparse.Namespace) -> int:
         for spec in specs_given:  # fail before loading any prompt
             if spec != "default":
                 resolve_policy(spec, has_confidence=True)
+        axes = (specs_given, graphs_given, lookups_given)
+        labels = ("{}", "graphs-{}", "lookup-{}")  # a variant's part of NAME@..., for the axes that vary
         named = {}
-        for name in drafts:
-            for spec in specs_given:
-                for mode in graphs_given:
-                    for look in lookups_given:
-                        method = name + (f"@{spec}" if len(specs_given) > 1 else "")
-                        method += f"@graphs-{mode}" if len(graphs_given) > 1 else ""
-                        named[method + (f"@lookup-{look}" if len(lookups_given) > 1 else "")] = (name, spec, mode, look)
+        for name, *variant in itertools.product(drafts, *axes):
+            parts = [label.format(v) for v, label, axis in zip(variant, labels, axes) if len(axis) > 1]
+            named["@".join([name, *parts])] = (name, *variant)
         drafts = {method: drafts[name] for method, (name, *_) in named.items()}
         policy = {method: None if spec == "default" else spec for method, (_, spec, _, _) in named.items()}
         cuda_graphs = {method: GRAPH_MODES[mode] for method, (_, _, mode, _) in named.items()}

@@ -114,14 +114,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated
         )
         # prompt lookup as a second proposer (dspark_hf.decoding.lookup), by the same precedence as the policy
-        lookup = draft._call_lookup
-        if lookup is None:
-            lookup = getattr(generation_config, "dspark_lookup", None)
-        if lookup is None:
-            lookup = draft.lookup
-        if lookup is None:
-            lookup = getattr(self.config, "default_lookup", None)
-        self.lookup = resolve_lookup(DEFAULT_LOOKUP if lookup is None else lookup)
+        settings = (draft._call_lookup, getattr(generation_config, "dspark_lookup", None), draft.lookup)
+        settings += (self.config.default_lookup,)
+        self.lookup = resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
             from ..scheduling.sps import get_sps_profile
