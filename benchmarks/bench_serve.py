@@ -12,7 +12,8 @@ chunks split over the tokens the later one carries, as the server's own histogra
     python benchmarks/bench_serve.py --policies default none none@stock   # plus plain decoding on stock kernels
 
 A mode `POLICY@KERNELS` runs its server with `--kernels KERNELS`; without one, each server runs its default
-kernels (exact for the float32 default target on a CPU). A `#TAG` suffix starts one more server of the same
+kernels (exact for the float32 default target on a CPU). `POLICY+lookup-off` (or `-on`) sets the server's
+`--lookup` (without it, the draft's own setting: on for the shipped drafts), e.g. `default+lookup-off`. A `#TAG` suffix starts one more server of the same
 configuration: `none#2` is a second server without speculation, measured like the others, so its ratio to
 `none` (1.00 on a quiet machine) is the benchmark's own resolution on this host (the A/A control):
 
@@ -69,16 +70,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_mode(mode: str) -> tuple[str | None, str | None]:
-    """`"policy@kernels#tag"` -> (policy or None for the server's default, kernels or None for the default).
+def split_mode(mode: str) -> tuple[str | None, str | None, str | None]:
+    """`"policy+lookup-MODE@kernels#tag"` -> (policy or None for the server's default, kernels or None for the
+    default, lookup `"on"`/`"off"` or None for the draft's own setting).
 
     The `#tag` only names a second server of the same configuration (`none#2`: the A/A control)."""
     policy, _, kernels = mode.partition("#")[0].partition("@")
-    return (None if policy == "default" else policy), (kernels or None)
+    policy, _, lookup = policy.partition("+lookup-")
+    return (None if policy == "default" else policy), (kernels or None), (lookup or None)
 
 
 def start_server(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
-    policy, kernels = split_mode(mode)
+    policy, kernels, lookup = split_mode(mode)
     port = _free_port()
     argv = [sys.executable, "-m", "dspark_hf.cli", "serve", "--port", str(port), "--log-level", "warning"]
     argv += ["--max-batch-size", str(max(args.concurrency)), "--max-queue", str(2 * max(args.concurrency))]
@@ -87,6 +90,8 @@ def start_server(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
         argv += ["--policy", policy]
     if kernels or args.kernels:
         argv += ["--kernels", kernels or args.kernels]
+    if lookup:
+        argv += ["--lookup", lookup]
     for flag in ("target", "draft", "dtype", "device"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
@@ -168,7 +173,7 @@ def _pct(sorted_values: list[float], q: float) -> float:
 def engine_summary(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=60).text
     out = {"kernels": httpx.get(url + "/ready", timeout=60).json().get("kernels")}
-    for name in ("tau", "mean_verification_length", "drafting_rounds_total", "rounds_total"):
+    for name in ("tau", "mean_verification_length", "drafting_rounds_total", "lookup_rounds_total", "rounds_total"):
         for line in text.splitlines():
             if line.startswith(f"dspark_engine_{name} "):
                 out[name] = float(line.split()[-1])

@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU kernels of every forward, with or without speculation: exact (batch-invariant, the default for "
         "a float32 target on the CPU), stock (PyTorch's own; the default elsewhere) or packed",
     )
+    parser.add_argument(
+        "--lookup",
+        choices=("on", "off"),
+        default=_env("LOOKUP"),
+        help="prompt lookup before drafting: copy a recurring continuation from the request's own context and "
+        "verify it (exact; a measured gate stops it at batch sizes where it does not pay). Default: the draft's "
+        "setting (on for the shipped drafts)",
+    )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=_env("PORT", 8000, int))
     parser.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", 8, int))
@@ -107,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     app = load_app(
         args.target, args.draft, policy=args.policy, max_batch_size=args.max_batch_size, dtype=args.dtype,
-        device=args.device, config=config, kernels=args.kernels,
+        device=args.device, config=config, kernels=args.kernels, lookup=args.lookup,
     )  # fmt: skip
     run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

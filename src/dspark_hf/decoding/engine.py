@@ -67,6 +67,7 @@ from .drafting import (
 from .engine_batch import (
     LAYOUTS,
     RowSampler,
+    accept_copy_row,
     accept_greedy_rows,
     accept_row,
     build_processors,
@@ -77,6 +78,7 @@ from .engine_batch import (
     ragged_target_forward,
     slot_target_forward,
 )
+from .lookup import DEFAULT_LOOKUP, LookupGate, lookup_continuation, resolve_lookup
 from .metrics import EngineMetrics
 from .stats import GenerationStats
 
@@ -246,6 +248,13 @@ class DSparkEngine:
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
             it eagerly); `None` (the default) turns it on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
             (when capture is impossible the engine logs why and runs eagerly).
+        lookup (`bool`, `int`, `str` or [`LookupConfig`], *optional*): prompt lookup as a second proposer
+            (`dspark_hf.decoding.lookup`), as in `generate()`: a round in which some requests' last tokens recur
+            in their own context verifies those requests' copies (the others take a plain step in it) and does
+            not draft; the policy neither plans nor observes such a round. A [`LookupGate`] measures, per batch
+            size, whether copy rounds emit more per second than the others, and stops copying where they do not
+            (a copy widens a padded forward for every row). Defaults to `draft.lookup`, then the draft config's
+            `default_lookup`, then off; always off without speculation.
     """
 
     def __init__(
@@ -261,6 +270,7 @@ class DSparkEngine:
         cpu_packing: bool | None = None,
         cuda_graphs: bool | None = None,
         kernels: str | None = None,
+        lookup=None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -310,6 +320,11 @@ class DSparkEngine:
             self.temperatures = torch.tensor(
                 draft.config.calibration_temperatures, dtype=torch.float32, device=draft.device
             )
+        self.lookup = None
+        if self.speculate:  # the same precedence as generate()'s, less the per-call setting
+            settings = (lookup, draft.lookup, draft.config.default_lookup)
+            self.lookup = resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
+        self.lookup_gate = LookupGate() if self.lookup is not None else None
         self.graphs = self._draft_graphs(cuda_graphs) if self.speculate else None
         self.graph_rounds = 0  # rounds whose draft step ran on the graph path
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
@@ -576,10 +591,13 @@ class DSparkEngine:
         context = self.schedule_context
         context.planned_length = None
         t_head, catch_up = t0, 0.0
-        if self.speculate and max(budgets) > 0:
+        copies = self._copies(reqs, budgets)  # a copy round (`None`: none, or the gate declines) does not draft
+        if copies is not None:
+            drafted, lengths = copies, [len(c) for c in copies]
+        elif self.speculate and max(budgets) > 0:
             # a policy may fix the length before drafting; 0 means this round is a plain decoding step
             context.planned_length = self.policy.plan_length(len(reqs), self.gamma, context)
-        if self.speculate and max(budgets) > 0 and context.planned_length != 0:
+        if copies is None and self.speculate and max(budgets) > 0 and context.planned_length != 0:
             catch_up = self._ingest_pending(reqs)
             anchor_ids = torch.tensor(anchors, device=self.draft.device)
             graphed = None
@@ -613,7 +631,7 @@ class DSparkEngine:
                 self.target, [r.kv for r in reqs], rows, keep, self.layer_ids, "packed", self._linear_cost
             )
         self.metrics.layout_counts[out.layout] += 1
-        outcomes = self._accept(reqs, block, drafted, lengths, out.logits)
+        outcomes = self._accept(reqs, block, drafted, lengths, out.logits, copied=copies is not None)
         committed = [n + 1 for n, _ in outcomes]  # the anchor and the accepted drafts (that is the rollback)
         if out.new_kv is None:
             for req, c in zip(reqs, committed):
@@ -626,7 +644,7 @@ class DSparkEngine:
             if self.speculate:
                 req.pending.append(out.features[i][: n + 1])
             emitted.append(drafted[i][:n] + [token])
-            self.metrics.record_request_round(lengths[i], n)
+            self.metrics.record_request_round(lengths[i], n, copied=copies is not None and bool(copies[i]))
         if self.speculate:  # bound the features kept for a draft that has not drafted for a long while
             self._ingest_pending([r for r in reqs if r.pending_tokens >= _PENDING_LIMIT])
         t2 = time.perf_counter()
@@ -634,6 +652,8 @@ class DSparkEngine:
             if self.speculate:  # a row without budget drafted nothing useful: recorded as an empty block
                 has = host is not None and budgets[i] > 0
                 stats = round_stats(host, i, lengths[i]) if has else empty_round_stats()
+                if copies is not None and copies[i]:
+                    stats.source, stats.drafted, stats.verified = "lookup", copies[i], lengths[i]
                 stats.accepted = outcomes[i][0]
                 stats.draft_time, stats.sequential_time, stats.verify_time = t_head - t0, t1 - t_head, t2 - t1
                 req.stats.rounds.append(stats)
@@ -647,7 +667,11 @@ class DSparkEngine:
         computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
         m.computed_tokens += computed
         m.drafting_rounds += host is not None
-        if self.speculate:
+        m.lookup_rounds += copies is not None
+        if self.lookup_gate is not None:
+            emitted_tokens = len(reqs) + sum(n for n, _ in outcomes)
+            self.lookup_gate.observe(len(reqs), copies is not None, emitted_tokens, time.perf_counter() - t0)
+        if self.speculate and copies is None:  # the policy weighs drafting against plain rounds; a copy is neither
             self.policy.observe_round(
                 context,
                 rows=len(reqs),
@@ -658,6 +682,20 @@ class DSparkEngine:
                 verified=lengths,
                 accepted=[n for n, _ in outcomes],
             )
+
+    def _copies(self, reqs: list[_Request], budgets: list[int]) -> list[list[int]] | None:
+        """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget; `None`
+        when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this batch size."""
+        if self.lookup is None or max(budgets) <= 0 or not self.lookup_gate.allows(len(reqs)):
+            return None
+        copies = [
+            lookup_continuation(torch.tensor(r.prompt + r.tokens), self.lookup, b) if b > 0 else []
+            for r, b in zip(reqs, budgets)
+        ]
+        if not any(copies):
+            self.lookup_gate.probing = False  # nothing was tried: a probe waits for a round that can copy
+            return None
+        return copies
 
     def _draft_graphs(self, requested: bool | None):
         """The CUDA-graph runner of the draft step (greedy rows without processors), or `None` for eager."""
@@ -712,14 +750,18 @@ class DSparkEngine:
             if store is not None:
                 store.limit = limit  # the buffers' capacity never outgrows the longest active request
 
-    def _accept(self, reqs, block, drafted, lengths, target_logits) -> list[tuple[int, int]]:
+    def _accept(self, reqs, block, drafted, lengths, target_logits, copied=False) -> list[tuple[int, int]]:
         """Each row's (accepted drafts, next token): greedy rows without processors all at once (one host
-        read), the others one by one."""
+        read), the others one by one. In a copy round (`copied`) the proposals are `drafted`, on the host."""
         greedy = [i for i, r in enumerate(reqs) if not r.sampler.do_sample and not r.sampler.processors]
         outcomes: list[tuple[int, int] | None] = [None] * len(reqs)
         if greedy:
             tokens = None
-            if block is not None:
+            if copied:
+                width = max(1, *(lengths[i] for i in greedy))
+                padded = [drafted[i][: lengths[i]] + [0] * (width - lengths[i]) for i in greedy]
+                tokens = torch.tensor(padded, device=target_logits[0].device)
+            elif block is not None:
                 tokens = block.tokens if len(greedy) == len(reqs) else block.tokens[greedy]
             accepted = accept_greedy_rows(tokens, [lengths[i] for i in greedy], [target_logits[i] for i in greedy])
             for i, outcome in zip(greedy, accepted):
@@ -729,7 +771,10 @@ class DSparkEngine:
                 continue
             q = block.logits[i, : lengths[i]] if block is not None else None
             history = req.prompt + req.tokens if req.sampler.processors else []  # only processors read it
-            outcomes[i] = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, target_logits[i])
+            if copied:  # a deterministic proposal: no `q`
+                outcomes[i] = accept_copy_row(req.sampler, history, drafted[i][: lengths[i]], target_logits[i])
+            else:
+                outcomes[i] = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, target_logits[i])
         return outcomes
 
     def _emit(self, req: _Request, tokens: list[int], events: list[StreamEvent]) -> None:

@@ -340,14 +340,7 @@ def accept_row(
     Returns:
         `tuple[int, int]`: accepted drafts `n` and the target's token at position `n` (bonus/replacement).
     """
-    if sampler.processors:  # position i's processors see the prefix history + x_1..x_i
-        seq = list(history)
-        rows = []
-        for i in range(len(drafts) + 1):
-            rows.append(sampler.process(seq, target_logits[i : i + 1]))
-            if i < len(drafts):
-                seq.append(drafts[i])
-        target_logits = torch.cat(rows)
+    target_logits = _processed(sampler, history, drafts, target_logits)
     if not drafts:  # nothing verified: an ordinary target step
         return 0, sampler.pick(target_logits[0])
     device = target_logits.device
@@ -357,6 +350,46 @@ def accept_row(
     p = torch.softmax(target_logits.double(), dim=-1)
     q = torch.softmax(draft_logits.to(device).double(), dim=-1)
     return speculative_accept(x, q, p, generator=sampler.generator)
+
+
+def accept_copy_row(
+    sampler: RowSampler, history: list[int], copy: list[int], target_logits: torch.Tensor
+) -> tuple[int, int]:
+    """Verify one row's deterministic proposal (a prompt-lookup copy, `dspark_hf.decoding.lookup`): position by
+    position, the target's token is picked (the argmax, or a draw from its processed distribution) and compared
+    with the copy; the first disagreement is the round's last token, and a copy accepted whole earns the next
+    position's pick. Every emitted token is the target's own pick given the emitted prefix, so output is
+    exactly the target's, greedy or sampled; the copy only decides how far the round gets.
+
+    Args:
+        sampler ([`RowSampler`]): the request's processors, mode and generator.
+        history (`list[int]`): prompt and generated tokens up to and including the anchor.
+        copy (`list[int]`): the verified copied tokens.
+        target_logits (`torch.Tensor` of shape `(len(copy)+1, V)`): raw target logits.
+
+    Returns:
+        `tuple[int, int]`: accepted copied tokens `n` and the target's token at position `n`.
+    """
+    target_logits = _processed(sampler, history, copy, target_logits)
+    for i, token in enumerate(copy):
+        pick = sampler.pick(target_logits[i])
+        if pick != token:
+            return i, pick
+    return len(copy), sampler.pick(target_logits[len(copy)])
+
+
+def _processed(sampler: RowSampler, history: list[int], drafts: list[int], target_logits: torch.Tensor):
+    """The target's logits `[ℓ+1, V]` through the request's processors, position `i`'s seeing the prefix
+    `history + x_1..x_i` (unchanged without processors)."""
+    if not sampler.processors:
+        return target_logits
+    seq = list(history)
+    rows = []
+    for i in range(len(drafts) + 1):
+        rows.append(sampler.process(seq, target_logits[i : i + 1]))
+        if i < len(drafts):
+            seq.append(drafts[i])
+    return torch.cat(rows)
 
 
 def accept_greedy_rows(

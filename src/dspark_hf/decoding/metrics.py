@@ -35,6 +35,10 @@ class EngineMetrics:
     forward_tokens: int = 0  # Σ over rounds of B = Σ_r (1 + ℓ_r)
     computed_tokens: int = 0  # Σ over rounds of the tokens the forward computed (padded: R · max_r (1 + ℓ_r))
     drafting_rounds: int = 0  # rounds that ran the draft
+    lookup_rounds: int = 0  # rounds that verified prompt-lookup copies (and did not draft)
+    lookup_request_rounds: int = 0  # Σ over those rounds of the requests that verified a copy
+    lookup_verified: int = 0  # copied tokens sent to verification
+    lookup_accepted: int = 0  # ... accepted by the target
     busy_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -64,12 +68,18 @@ class EngineMetrics:
         keep = {k: getattr(self, k) for k in ("active_requests", "queue_length", "kv_tokens", "kv_bytes")}
         self.__init__(self.block_size, **keep)
 
-    def record_request_round(self, verified: int, accepted: int) -> None:
-        """One request's part of a round: `verified` drafts went to the target, `accepted` survived."""
+    def record_request_round(self, verified: int, accepted: int, copied: bool = False) -> None:
+        """One request's part of a round: `verified` drafts (or copied tokens, `copied`) went to the target,
+        `accepted` survived. The acceptance curve counts drafts only (a copy's acceptance is another story)."""
         self.request_rounds += 1
+        self.length_counts[verified] += 1
+        if copied:
+            self.lookup_request_rounds += 1
+            self.lookup_verified += verified
+            self.lookup_accepted += accepted
+            return
         self.drafts_verified += verified
         self.drafts_accepted += accepted
-        self.length_counts[verified] += 1
         for k in range(verified):
             self.verified_at[k] += 1
             self.accepted_at[k] += accepted > k
@@ -85,13 +95,16 @@ class EngineMetrics:
     # ------------------------------------------------------------------ derived
     @property
     def tau(self) -> float:
-        """`float`: tokens per request-round (accepted drafts + 1), micro-averaged over all requests."""
-        return (self.drafts_accepted + self.request_rounds) / self.request_rounds if self.request_rounds else 0.0
+        """`float`: tokens per request-round (accepted drafts or copied tokens + 1), micro-averaged over all
+        requests."""
+        accepted = self.drafts_accepted + self.lookup_accepted
+        return (accepted + self.request_rounds) / self.request_rounds if self.request_rounds else 0.0
 
     @property
     def mean_verification_length(self) -> float:
-        """`float`: mean drafts sent to verification per request-round."""
-        return self.drafts_verified / self.request_rounds if self.request_rounds else 0.0
+        """`float`: mean drafts (or copied tokens) sent to verification per request-round."""
+        verified = self.drafts_verified + self.lookup_verified
+        return verified / self.request_rounds if self.request_rounds else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -133,6 +146,10 @@ class EngineMetrics:
             ("forward_tokens", "Tokens in verification forwards (B summed over rounds)."),
             ("computed_tokens", "Tokens the verification forwards computed, padding included."),
             ("drafting_rounds", "Rounds that ran the draft."),
+            ("lookup_rounds", "Rounds that verified prompt-lookup copies instead of drafting."),
+            ("lookup_request_rounds", "Request participations that verified a prompt-lookup copy."),
+            ("lookup_verified", "Copied tokens sent to verification."),
+            ("lookup_accepted", "Copied tokens accepted by the target."),
         ]
         seconds = [
             ("busy_seconds", "Seconds spent in engine steps."),
@@ -148,8 +165,8 @@ class EngineMetrics:
             ("peak_active_requests", "Peak of active_requests."),
             ("peak_queue_length", "Peak of queue_length."),
             ("peak_kv_bytes", "Peak of kv_bytes."),
-            ("tau", "Mean tokens per request-round (accepted drafts + 1)."),
-            ("mean_verification_length", "Mean drafts verified per request-round."),
+            ("tau", "Mean tokens per request-round (accepted drafts or copied tokens + 1)."),
+            ("mean_verification_length", "Mean drafts or copied tokens verified per request-round."),
             ("tokens_per_second", "Generated tokens per busy second."),
         ]
         fams = [(f"{PREFIX}_{n}", "counter", h, [({}, getattr(self, n))]) for n, h in counters + seconds]

@@ -24,6 +24,7 @@ def load_app(
     device=None,
     config: ServeConfig | None = None,
     kernels: str | None = None,
+    lookup=None,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -40,6 +41,8 @@ def load_app(
         kernels (`str`, *optional*): the engine's kernel mode (`"stock"`, `"packed"`, `"exact"`, see
             `dspark_hf.model.kernels`), with or without speculation. Defaults to
             [`recommended_kernels`]: `"exact"` for a float32 target on the CPU, else `"stock"`.
+        lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]); defaults to the
+            draft's own setting (the shipped drafts: on).
 
     Returns:
         `fastapi.FastAPI`
@@ -57,7 +60,13 @@ def load_app(
                 )
         mode = kernels or recommended_kernels(target_model)
         return DSparkEngine(
-            target_model, draft_model, tokenizer, policy=policy, max_batch_size=max_batch_size, kernels=mode
+            target_model,
+            draft_model,
+            tokenizer,
+            policy=policy,
+            max_batch_size=max_batch_size,
+            kernels=mode,
+            lookup=lookup,
         )
 
     # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
@@ -66,7 +75,10 @@ def load_app(
     config = config or ServeConfig()
     if config.model_name == ServeConfig.model_name:
         config.model_name = target or DEFAULT_TARGET_HUB_ID
-    logger.info("engine ready: policy %s, kernels %s, max_batch_size %d", engine.policy, engine.kernels, max_batch_size)
+    logger.info(
+        "engine ready: policy %s, kernels %s, lookup %s, max_batch_size %d",
+        engine.policy, engine.kernels, engine.lookup, max_batch_size,
+    )  # fmt: skip
     return create_app(engine, config)
 
 
