@@ -135,12 +135,22 @@ async def one_request(client, prompt: str, max_tokens: int) -> dict:
     return {"ttft": ttft, "itl": gaps, "tokens": sum(n for _, n in arrivals)}
 
 
-async def load_level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+def eval_prompts(per_set: int = 4) -> list[str]:
+    """The first `per_set` prompts of each evaluation set (GSM8K, HumanEval, MT-Bench, ShareGPT held-out; offline,
+    as `dspark eval` loads them), interleaved: longer, more varied traffic than the short chat prompts."""
+    from dspark_hf.evaluation.prompt_sets import EVAL_SETS, load_prompt_set
+
+    sets = [[item.prompt for item in load_prompt_set(name, limit=per_set)] for name in EVAL_SETS]
+    return [prompts[i] for i in range(per_set) for prompts in sets]
+
+
+async def load_level(url: str, concurrency: int, requests: int, max_tokens: int, prompts=None) -> dict:
     counter = iter(range(requests))
+    prompts = prompts or PROMPTS
 
     async def client_loop(client, results):
         for i in counter:  # shared iterator: each request index is taken by exactly one client
-            results.append(await one_request(client, PROMPTS[i % len(PROMPTS)], max_tokens))
+            results.append(await one_request(client, prompts[i % len(prompts)], max_tokens))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -235,6 +245,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests", type=int, default=4, help="requests per level (at least the concurrency)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompts",
+        choices=("chat", "eval"),
+        default="chat",
+        help="chat: 16 short chat prompts (the default); eval: the first 4 prompts of each evaluation set "
+        "(GSM8K, HumanEval, MT-Bench, ShareGPT), interleaved",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default=None)
@@ -257,10 +274,12 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "max_tokens": args.max_tokens,
+        "prompts": args.prompts,
         "modes": args.policies,
         "kernels": args.kernels,
         "complete": False,
     }
+    prompts = eval_prompts() if args.prompts == "eval" else PROMPTS
     try:
         for mode in args.policies:
             log = logs / f"serve_{mode.replace(':', '_').replace('@', '_').replace('#', '_')}.log"
@@ -276,7 +295,7 @@ def main() -> None:
                     # one short request first: the server that waited idle while another was measured starts
                     # with cold caches and parked OpenMP threads, which the first measured mode of a pair paid
                     asyncio.run(load_level(servers[mode][1], 1, 1, 4))
-                    res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens))
+                    res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens, prompts))
                     samples[c][mode].append(res)
                     print(f"repeat {rep} C={c:2d} {mode:>10}: {res['tokens_per_second']:6.1f} tok/s", flush=True)
                     out.write_text(json.dumps({**report, "samples": samples}, indent=1))  # partial results

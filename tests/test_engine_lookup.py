@@ -22,6 +22,8 @@ import dspark_hf.decoding.engine as engine_module
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.decoding.lookup import LookupConfig, LookupGate
 from dspark_hf.decoding.verification import categorical_draw
+from dspark_hf.scheduling.policies import UniformHardwareAwarePolicy
+from dspark_hf.scheduling.sps import SPSProfile
 from test_lookup import ALPHA, LOOKUP, PROMPT, VOCAB, WINDOW, N, _repetitive_prompts, sampling_setup  # noqa: F401
 
 from helpers import assert_context_is_the_targets, make_aligned_draft, make_target
@@ -125,6 +127,30 @@ def test_the_gate_stops_copying_where_it_loses_and_probes_again():
         gate.observe(4, False, 4, 0.15)
     gate.observe(4, True, 12, 0.15)
     assert gate.allows(4) and gate.waits[4] == 3
+
+
+def test_copy_length_weighs_expected_acceptance_against_the_wider_forward():
+    """With an SPS profile, a copy round verifies the one length that pays: at one request a forward of up to 4
+    tokens costs what one token costs, so a copy is verified up to 3 tokens; at 4 requests every extra token
+    position costs 4 more tokens, which this profile makes 100x dearer, so no copy round happens at all."""
+    target = make_target("llama", vocab_size=96, markov=True)
+    draft = make_aligned_draft(target, "markov", block_size=5)
+    profile = SPSProfile({1: 0.01, 4: 0.01, 5: 1.0, 64: 10.0})
+    engine = DSparkEngine(target, draft, policy=UniformHardwareAwarePolicy(sps=profile), lookup=True)
+    gate = engine.lookup_gate
+    assert engine._copy_length([[1, 2, 3, 4, 5]]) == 3
+    assert engine._copy_length([[1, 2, 3, 4, 5], [], [], []]) == 0
+    # the expected gain per position follows the measured acceptance: copies that were never accepted ...
+    for _ in range(50):
+        gate.record(5, 0)
+    assert gate.survival([[1, 2, 3]])[0] < 0.05
+    # ... and a second row without a copy halves the batch's mean
+    gate = LookupGate()
+    for _ in range(50):
+        gate.record(5, 5)
+    torch.testing.assert_close(gate.survival([[1, 2], []]), gate.survival([[1, 2]]) / 2)
+    # without a profile (a fixed policy), the whole copy
+    assert DSparkEngine(target, draft, policy="fixed", lookup=True)._copy_length([[1, 2, 3, 4, 5], []]) == 5
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -41,6 +41,7 @@ import functools
 import itertools
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -50,7 +51,7 @@ import torch
 
 from ..model.cpu_packing import cpu_packing_enabled
 from ..model.kernels import KERNEL_MODES, build_exact_kernels, explicit_kernels, use_kernels
-from ..scheduling.policies import ScheduleContext, resolve_policy
+from ..scheduling.policies import ScheduleContext, resolve_policy, uniform_length
 from . import draft_graphs
 from .caches import SlotKV, SlotRow
 from .drafting import (
@@ -654,6 +655,7 @@ class DSparkEngine:
                 stats = round_stats(host, i, lengths[i]) if has else empty_round_stats()
                 if copies is not None and copies[i]:
                     stats.source, stats.drafted, stats.verified = "lookup", copies[i], lengths[i]
+                    self.lookup_gate.record(lengths[i], outcomes[i][0])
                 stats.accepted = outcomes[i][0]
                 stats.draft_time, stats.sequential_time, stats.verify_time = t_head - t0, t1 - t_head, t2 - t1
                 req.stats.rounds.append(stats)
@@ -692,10 +694,25 @@ class DSparkEngine:
             lookup_continuation(torch.tensor(r.prompt + r.tokens), self.lookup, b) if b > 0 else []
             for r, b in zip(reqs, budgets)
         ]
-        if not any(copies):
+        length = self._copy_length(copies) if any(copies) else 0
+        if length == 0:
             self.lookup_gate.probing = False  # nothing was tried: a probe waits for a round that can copy
             return None
-        return copies
+        return [c[:length] for c in copies]
+
+    def _copy_length(self, copies: list[list[int]]) -> int:
+        """How many copied tokens a copy round verifies per row: where the target's SPS profile is known, the
+        one length `L` that maximises expected tokens per second of the round ([`uniform_length`]: a padded
+        forward computes `rows · (1 + L)` tokens; the gain is the copies' expected accepted tokens, from the
+        gate's per-position acceptance), `0` when no length pays; without a profile, the longest copy."""
+        longest = max(map(len, copies))
+        profile = getattr(self.policy, "sps", None)
+        sps = profile.sps if profile is not None else self.schedule_context.sps
+        if sps is None:
+            return longest
+        rows = len(copies)
+        measured = {b: statistics.median(ts) for (r, b), ts in self.schedule_context.round_seconds.items() if r == rows}
+        return uniform_length(self.lookup_gate.survival(copies), rows, sps, measured=measured)
 
     def _draft_graphs(self, requested: bool | None):
         """The CUDA-graph runner of the draft step (greedy rows without processors), or `None` for eager."""

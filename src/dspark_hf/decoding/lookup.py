@@ -99,6 +99,10 @@ class LookupGate:
     While copying is off at a size it is tried again in one round (a probe) after `explore` rounds, the wait
     doubling after every probe that does not turn the comparison, up to `explore_max`.
 
+    The gate also keeps how often a copied token is accepted at each position once the ones before it were
+    ([`survival`], from `prior` with `prior_weight` pseudo-rounds), which the engine weighs against the SPS
+    profile's cost of the wider forward before a copy round (see `DSparkEngine`'s `lookup`).
+
     Args:
         after (`int`, *optional*, defaults to 4): copy rounds measured at a batch size before the verdict (`0`:
             no verdict, copying is always allowed).
@@ -109,6 +113,8 @@ class LookupGate:
             that pays can turn the comparison).
         explore (`int`, *optional*, defaults to 16): rounds with copying off before the first probe.
         explore_max (`int`, *optional*, defaults to 256): the longest wait between probes.
+        prior (`float`, *optional*, defaults to 0.5): acceptance of a copied token assumed before any was verified.
+        prior_weight (`float`, *optional*, defaults to 2.0): pseudo-count of that prior, per position.
     """
 
     after: int = 4
@@ -118,6 +124,10 @@ class LookupGate:
     probe_weight: float = 0.5
     explore: int = 16
     explore_max: int = 256
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    verified_at: list = field(default_factory=list)  # copied tokens verified at position k (their prefix accepted)
+    accepted_at: list = field(default_factory=list)  # ... and accepted
     states: dict = field(default_factory=dict)  # rows -> PayoffState (its "draft" sums are the copy rounds')
     waits: dict = field(default_factory=dict)  # rows -> rounds to wait before the next probe
     since: dict = field(default_factory=dict)  # rows -> rounds since copying was last tried
@@ -148,6 +158,30 @@ class LookupGate:
             wait = self.waits.get(rows, self.explore)
             self.waits[rows] = self.explore if self._pays(state) else min(2 * wait, self.explore_max)
             self.probing = False
+
+    def record(self, verified: int, accepted: int) -> None:
+        """One request's copy: `verified` copied tokens went to the target, the first `accepted` survived."""
+        grow = max(0, min(verified, accepted + 1) - len(self.verified_at))
+        self.verified_at += [0] * grow
+        self.accepted_at += [0] * grow
+        for k in range(min(verified, accepted + 1)):  # position k was decided only if the ones before it held
+            self.verified_at[k] += 1
+            self.accepted_at[k] += accepted > k
+
+    def survival(self, copies: list[list[int]]) -> torch.Tensor:
+        """Expected accepted copied tokens per position, averaged over all rows (a row without a copy adds 0):
+        `s_j = mean_r P(row r's first j+1 copied tokens are accepted)`, for `j < ` the longest copy."""
+        width = max(map(len, copies))
+        rate = []
+        for k in range(width):
+            seen = self.verified_at[k] if k < len(self.verified_at) else 0
+            kept = self.accepted_at[k] if k < len(self.accepted_at) else 0
+            rate.append((kept + self.prior * self.prior_weight) / (seen + self.prior_weight))
+        prefix = torch.tensor(rate, dtype=torch.float64).cumprod(0)
+        total = torch.zeros(width, dtype=torch.float64)
+        for copy in copies:
+            total[: len(copy)] += prefix[: len(copy)]
+        return total / len(copies)
 
     def _settled(self, state) -> bool:
         return bool(self.after) and state is not None and state.drafts >= self.after and state.plains > 0
