@@ -5,8 +5,10 @@ A round ([`DSparkEngine.step`]) does, for all active requests at once:
 1. **admit** queued requests while fewer than `max_batch_size` are active and their KV reservations
    (prompt + `max_new_tokens`) fit in `max_tokens`; a newly admitted request gets its **prefill** (one
    batched target forward over the new prompts, no drafts) and its first token;
-2. **draft**: one batched draft-backbone forward for every decoding request, then the sequential head
-   (batched over requests, each request's own logits processors and random generator);
+2. **draft**: with prompt lookup on, first a search of each request's context for a copy; a round in which
+   some request has one (and it pays) verifies the copies instead of drafting (`lookup` below). Otherwise one
+   batched draft-backbone forward for every decoding request, then the sequential head (batched over
+   requests, each request's own logits processors and random generator);
 3. **schedule**: the verification policy sees the whole batch's survival matrix `[R, γ]` (and the target's
    SPS profile) and picks each request's verification length `ℓ_r`;
 4. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
@@ -22,7 +24,7 @@ place at each row's own positions, with masks and positions built on the device 
 
 Exactness does not depend on batching: every request sees exactly its own context (masks and position
 ids), so greedy output equals plain `generate()` on that prompt alone and sampling follows the target's
-distribution (`tests/test_engine.py`, `tests/test_engine_sampling.py`).
+distribution (`tests/test_engine.py`, `tests/test_engine_sampling.py`, `tests/test_engine_lookup.py`).
 
 Example:
 
@@ -252,9 +254,10 @@ class DSparkEngine:
         lookup (`bool`, `int`, `str` or [`LookupConfig`], *optional*): prompt lookup as a second proposer
             (`dspark_hf.decoding.lookup`), as in `generate()`: a round in which some requests' last tokens recur
             in their own context verifies those requests' copies (the others take a plain step in it) and does
-            not draft; the policy neither plans nor observes such a round. A [`LookupGate`] measures, per batch
-            size, whether copy rounds emit more per second than the others, and stops copying where they do not
-            (a copy widens a padded forward for every row). Defaults to `draft.lookup`, then the draft config's
+            not draft; the policy neither plans nor observes such a round. A copy widens a padded forward for
+            every row, so with an SPS profile the round verifies the copy length that pays on it (or none), and
+            a [`LookupGate`] measures, per batch size, whether copy rounds emit more per second than the others
+            and stops copying where they do not. Defaults to `draft.lookup`, then the draft config's
             `default_lookup`, then off; always off without speculation.
     """
 
@@ -689,6 +692,9 @@ class DSparkEngine:
         """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget; `None`
         when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this batch size."""
         if self.lookup is None or max(budgets) <= 0 or not self.lookup_gate.allows(len(reqs)):
+            return None
+        if self._copy_length([[0] * b for b in budgets]) == 0:  # not even a copy for every row would pay: no search
+            self.lookup_gate.probing = False
             return None
         copies = [
             lookup_continuation(torch.tensor(r.prompt + r.tokens), self.lookup, b) if b > 0 else []

@@ -23,7 +23,8 @@ and request bookkeeping (that is `dspark_hf.decoding.engine`); the draft side of
   row come back so the caller can keep exactly the committed ones: rolling back rejected drafts is simply
   not copying them.
 * [`RowSampler`] is one request's processors, mode and generator; [`accept_row`] applies greedy or
-  rejection-sampling acceptance (`dspark_hf.decoding.verification`) to one row, and [`accept_greedy_rows`]
+  rejection-sampling acceptance (`dspark_hf.decoding.verification`) to one row, [`accept_copy_row`] verifies
+  a deterministic proposal (a prompt-lookup copy) against the target's own picks, and [`accept_greedy_rows`]
   verifies all greedy rows without processors at once, with one host read.
 * [`build_processors`] and [`context_limit`] turn a request's sampling parameters and the target's config
   into the processors and the length cap the rows above use.
