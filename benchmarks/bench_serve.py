@@ -3,7 +3,7 @@
 One `dspark serve` subprocess per mode (by default: the default verification policy, and `--policy none`, plain
 batched decoding through the same engine), all on 127.0.0.1 and all loaded before measuring; a server waits
 idle while another is measured. For every repeat and every concurrency C, each mode is loaded in turn (the
-order alternates between repeats) and warmed by one short request: C clients each send streaming chat requests back to back (greedy,
+order rotates between repeats, so that every mode takes every position) and warmed by one short request: C clients each send streaming chat requests back to back (greedy,
 `max_tokens` fixed) until `--requests` requests (at least C) are done. Per level it records aggregate completion
 tokens/s (all tokens / wall time), time to first token and inter-token latency (the gap between two streamed
 chunks split over the tokens the later one carries, as the server's own histogram does) per token.
@@ -290,7 +290,10 @@ def main() -> None:
         samples = {c: {m: [] for m in servers} for c in args.concurrency}
         for rep in range(args.repeats):
             for c in args.concurrency:
-                order = list(servers) if (rep + c) % 2 == 0 else list(reversed(servers))
+                # each mode takes every position in turn (with two modes: the order alternates); a fixed
+                # middle position for the baseline, as reversing three modes gave, is a bias of its own
+                shift = (rep + c) % len(servers)
+                order = list(servers)[shift:] + list(servers)[:shift]
                 for mode in order:
                     # one short request first: the server that waited idle while another was measured starts
                     # with cold caches and parked OpenMP threads, which the first measured mode of a pair paid

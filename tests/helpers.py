@@ -212,3 +212,25 @@ def assert_context_is_the_targets(target, draft, seen, out) -> None:
         full = target(out[:, : positions.numel()], output_hidden_states=True)
         expected = draft.project_context([full.hidden_states[i + 1] for i in draft.config.target_layer_ids])
     torch.testing.assert_close(context, expected, atol=1e-9, rtol=1e-9)
+
+
+def sampled_workload_with_distractors(
+    prompt: list[int], n: int, max_new_tokens: int, vocab: int, seed: int, every: int = 4
+):
+    """Engine requests for a sampling test: `n` scored requests of `prompt` (sampling, `max_new_tokens`), and every
+    `every`-th request a distractor with another prompt (3 to 12 random tokens) and another `max_new_tokens` (2 to
+    8), so that batches are ragged. Returns `(prompts, sampling_params, indices of the scored requests)`."""
+    from dspark_hf import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts, params, scored = [], [], []
+    while len(scored) < n:
+        if len(prompts) % every == every - 1:
+            length = int(torch.randint(3, 13, (1,), generator=gen))
+            prompts.append(torch.randint(0, vocab, (length,), generator=gen).tolist())
+            params.append(SamplingParams(max_new_tokens=int(torch.randint(2, 9, (1,), generator=gen)), do_sample=True))
+        else:
+            scored.append(len(prompts))
+            prompts.append(list(prompt))
+            params.append(SamplingParams(max_new_tokens=max_new_tokens, do_sample=True))
+    return prompts, params, scored

@@ -26,7 +26,7 @@ from dspark_hf.scheduling.policies import UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile
 from test_lookup import ALPHA, LOOKUP, PROMPT, VOCAB, WINDOW, N, _repetitive_prompts, sampling_setup  # noqa: F401
 
-from helpers import assert_context_is_the_targets, make_aligned_draft, make_target
+from helpers import assert_context_is_the_targets, make_aligned_draft, make_target, sampled_workload_with_distractors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,22 +155,11 @@ def test_copy_length_weighs_expected_acceptance_against_the_wider_forward():
 
 # ---------------------------------------------------------------------------------------------- sampling
 MAX_BATCH = 12
-DISTRACTOR_EVERY = 4
 
 
 def _sample_counts(target, draft) -> tuple[np.ndarray, dict]:
     torch.manual_seed(1)
-    gen = torch.Generator().manual_seed(1)
-    prompts, params, scored = [], [], []
-    while len(scored) < N:
-        if len(prompts) % DISTRACTOR_EVERY == DISTRACTOR_EVERY - 1:  # other prompts and lengths in the batch
-            length = int(torch.randint(3, 13, (1,), generator=gen))
-            prompts.append(torch.randint(0, VOCAB, (length,), generator=gen).tolist())
-            params.append(SamplingParams(max_new_tokens=int(torch.randint(2, 9, (1,), generator=gen)), do_sample=True))
-        else:
-            scored.append(len(prompts))
-            prompts.append(PROMPT[0].tolist())
-            params.append(SamplingParams(max_new_tokens=WINDOW + 1, do_sample=True))
+    prompts, params, scored = sampled_workload_with_distractors(PROMPT[0].tolist(), N, WINDOW + 1, VOCAB, seed=1)
     engine = _engine(target, draft, policy="fixed", max_batch_size=MAX_BATCH, lookup=LOOKUP)
     outputs = engine.generate(prompts, params)
     index = {cell: i for i, cell in enumerate(itertools.product(range(VOCAB), repeat=WINDOW))}

@@ -26,7 +26,7 @@ import torch
 from scipy import stats
 
 import dspark_hf.decoding.engine_batch as engine_batch
-from dspark_hf import DSparkEngine, SamplingParams
+from dspark_hf import DSparkEngine
 from dspark_hf.decoding.verification import residual_distribution
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile
@@ -43,7 +43,7 @@ from test_sampling_exactness import (
     _make_draft,
 )
 
-from helpers import make_target
+from helpers import make_target, sampled_workload_with_distractors
 
 
 class _ProfileClockUniform(UniformHardwareAwarePolicy):
@@ -83,17 +83,8 @@ def setup():
 
 def _sample(target, draft, policy, layout: str = "padded") -> tuple[np.ndarray, dict]:
     torch.manual_seed(SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    prompts, params, scored = [], [], []
-    while len(scored) < N:
-        if len(prompts) % DISTRACTOR_EVERY == DISTRACTOR_EVERY - 1:
-            length = int(torch.randint(3, 13, (1,), generator=gen))
-            prompts.append(torch.randint(0, VOCAB, (length,), generator=gen).tolist())
-            params.append(SamplingParams(max_new_tokens=int(torch.randint(2, 9, (1,), generator=gen)), do_sample=True))
-        else:
-            scored.append(len(prompts))
-            prompts.append(PROMPT[0].tolist())
-            params.append(SamplingParams(max_new_tokens=MAX_NEW_TOKENS, do_sample=True))
+    work = sampled_workload_with_distractors(PROMPT[0].tolist(), N, MAX_NEW_TOKENS, VOCAB, SEED, DISTRACTOR_EVERY)
+    prompts, params, scored = work
     engine = DSparkEngine(target, draft, policy=policy, max_batch_size=MAX_BATCH, layout=layout)
     outputs = engine.generate(prompts, params)
     index = {cell: i for i, cell in enumerate(itertools.product(range(VOCAB), repeat=WINDOW))}

@@ -9,6 +9,7 @@ fails for a deliberately wrong rule: a copied token reported to the verifier wit
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from scipy import stats
 from transformers import GenerationConfig
 
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
-from dspark_hf.decoding.lookup import LookupConfig, lookup_continuation, resolve_lookup
+from dspark_hf.decoding.lookup import LookupConfig, LookupIndex, lookup_continuation, resolve_lookup
 
 from helpers import ARCHS, assert_context_is_the_targets, make_aligned_draft, make_target, record_draft_context
 
@@ -41,6 +42,23 @@ def test_the_longest_recurring_suffix_wins_and_its_latest_occurrence_is_copied()
     # the continuation may run into the suffix itself (a run of one token), never past the sequence
     assert lookup_continuation(torch.tensor([5, 5, 5, 5]), config) == [5]
     assert lookup_continuation(torch.tensor([1, 2]), config) == []
+
+
+def test_the_incremental_index_answers_as_the_search_does():
+    """`LookupIndex` (the engine's, updated with each round's new tokens) gives `lookup_continuation`'s answer on
+    every prefix of random sequences over small vocabularies (many matches), for random settings and caps."""
+    rng = random.Random(0)
+    for _ in range(200):
+        longest = rng.randint(1, 4)
+        config = LookupConfig(max_tokens=rng.randint(1, 7), max_ngram=longest, min_ngram=rng.randint(1, longest))
+        seq = [rng.randrange(rng.randint(2, 6)) for _ in range(60)]
+        start = rng.randint(1, 10)
+        index, end = LookupIndex(seq[:start], config), start
+        while end <= len(seq):
+            limit = rng.choice([None, 0, 1, 3, 9])
+            expected = lookup_continuation(torch.tensor(seq[:end]), config, limit)
+            assert index.continuation(seq[start:end], limit) == expected, (config, seq[:end], limit)
+            end += rng.randint(1, 4)
 
 
 def test_lookup_settings():

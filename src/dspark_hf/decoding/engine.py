@@ -81,7 +81,7 @@ from .engine_batch import (
     ragged_target_forward,
     slot_target_forward,
 )
-from .lookup import DEFAULT_LOOKUP, LookupGate, lookup_continuation, resolve_lookup
+from .lookup import DEFAULT_LOOKUP, LookupGate, LookupIndex, resolve_lookup
 from .metrics import EngineMetrics
 from .stats import GenerationStats
 
@@ -210,6 +210,7 @@ class _Request:
     text_len: int = 0  # characters streamed
     text: str | None = None  # the whole output's text, once finished
     finish_reason: str | None = None
+    lookup: LookupIndex | None = None  # the n-gram index of prompt + output, with prompt lookup on
 
     @property
     def pending_tokens(self) -> int:
@@ -696,10 +697,11 @@ class DSparkEngine:
         if self._copy_length([[0] * b for b in budgets]) == 0:  # not even a copy for every row would pay: no search
             self.lookup_gate.probing = False
             return None
-        copies = [
-            lookup_continuation(torch.tensor(r.prompt + r.tokens), self.lookup, b) if b > 0 else []
-            for r, b in zip(reqs, budgets)
-        ]
+        copies = []
+        for req, budget in zip(reqs, budgets):
+            if req.lookup is None:
+                req.lookup = LookupIndex(req.prompt, self.lookup)
+            copies.append(req.lookup.continuation(req.tokens, budget) if budget > 0 else [])
         length = self._copy_length(copies) if any(copies) else 0
         if length == 0:
             self.lookup_gate.probing = False  # nothing was tried: a probe waits for a round that can copy

@@ -195,3 +195,41 @@ class LookupGate:
         if self._settled(own):
             return not self._pays(own)
         return any(r < rows and self._settled(s) and not self._pays(s) for r, s in self.states.items())
+
+
+class LookupIndex:
+    """An incremental n-gram index of one growing sequence (a request's prompt and output): the same answer as
+    [`lookup_continuation`] on the whole sequence, at a cost proportional to the tokens added since the last call
+    instead of the sequence's length (the engine keeps one per request).
+
+    Args:
+        prompt (`list[int]`): the sequence's first tokens.
+        config ([`LookupConfig`]): the search settings.
+    """
+
+    def __init__(self, prompt: list[int], config: LookupConfig) -> None:
+        self.config = config
+        self.ids = list(prompt)
+        self._prompt = len(self.ids)
+        # n -> {n-gram: end (exclusive) of its latest occurrence}, for every n-gram that ends before the last token
+        self._ends = {n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
+        self._indexed = 0  # n-grams ending at positions 1.._indexed are in `_ends`
+
+    def continuation(self, generated: list[int], limit: int | None = None) -> list[int]:
+        """The copy for the sequence `prompt + generated` (`generated` extends what earlier calls saw)."""
+        ids = self.ids
+        ids.extend(generated[len(ids) - self._prompt :])
+        length = len(ids)
+        for end in range(self._indexed + 1, length):  # the suffix itself (ending at `length`) is not a match
+            for n, ends in self._ends.items():
+                if end >= n:
+                    ends[tuple(ids[end - n : end])] = end
+        self._indexed = max(self._indexed, length - 1)
+        cap = self.config.max_tokens if limit is None else min(self.config.max_tokens, limit)
+        if cap < 1:
+            return []
+        for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
+            end = self._ends[n].get(tuple(ids[length - n :]))
+            if end is not None:
+                return ids[end : end + cap]
+        return []
