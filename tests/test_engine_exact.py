@@ -42,8 +42,8 @@ def _engine_logits(engine, work):
     rows: dict[int, list[torch.Tensor]] = {}
     accept = engine._accept
 
-    def recording(reqs, block, drafted, lengths, target_logits):
-        outcomes = accept(reqs, block, drafted, lengths, target_logits)
+    def recording(reqs, block, drafted, lengths, target_logits, **kwargs):
+        outcomes = accept(reqs, block, drafted, lengths, target_logits, **kwargs)
         for i, req in enumerate(reqs):
             n = outcomes[i][0]  # the anchor's row and the accepted drafts' rows are what plain decoding computes
             rows.setdefault(req.rid, []).extend(target_logits[i][: n + 1].clone().unbind(0))
