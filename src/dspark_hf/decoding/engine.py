@@ -81,7 +81,7 @@ from .engine_batch import (
     ragged_target_forward,
     slot_target_forward,
 )
-from .lookup import DEFAULT_LOOKUP, LookupGate, LookupIndex, resolve_lookup
+from .lookup import LookupGate, LookupIndex, first_lookup_setting
 from .metrics import EngineMetrics
 from .stats import GenerationStats
 
@@ -327,8 +327,7 @@ class DSparkEngine:
             )
         self.lookup = None
         if self.speculate:  # the same precedence as generate()'s, less the per-call setting
-            settings = (lookup, draft.lookup, draft.config.default_lookup)
-            self.lookup = resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
+            self.lookup = first_lookup_setting(lookup, draft.lookup, draft.config.default_lookup)
         self.lookup_gate = LookupGate() if self.lookup is not None else None
         self.graphs = self._draft_graphs(cuda_graphs) if self.speculate else None
         self.graph_rounds = 0  # rounds whose draft step ran on the graph path

@@ -50,7 +50,7 @@ from .drafting import (
     verified_lengths,
 )
 from .drafting import round_stats as make_round_stats
-from .lookup import DEFAULT_LOOKUP, lookup_continuation, resolve_lookup
+from .lookup import first_lookup_setting, lookup_continuation
 from .stats import GenerationStats, RoundStats
 
 EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
@@ -116,7 +116,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # prompt lookup as a second proposer (dspark_hf.decoding.lookup), by the same precedence as the policy
         settings = (draft._call_lookup, getattr(generation_config, "dspark_lookup", None), draft.lookup)
         settings += (self.config.default_lookup,)
-        self.lookup = resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
+        self.lookup = first_lookup_setting(*settings)
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
             from ..scheduling.sps import get_sps_profile

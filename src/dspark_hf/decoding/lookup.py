@@ -60,6 +60,12 @@ def resolve_lookup(spec) -> LookupConfig | None:
     raise ValueError(f"dspark_lookup must be True/False, 'on'/'off', a token count or a LookupConfig, got {spec!r}.")
 
 
+def first_lookup_setting(*settings) -> LookupConfig | None:
+    """The lookup setting of the first of `settings` that is not `None` (highest precedence first), else
+    [`DEFAULT_LOOKUP`], resolved with [`resolve_lookup`]: the one precedence rule of `generate()` and the engine."""
+    return resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
+
+
 def lookup_continuation(ids: torch.Tensor, config: LookupConfig, limit: int | None = None) -> list[int]:
     """The tokens that followed the most recent earlier occurrence of the sequence's last `n` tokens, for the
     largest `n` in `[config.min_ngram, config.max_ngram]` that occurs, at most `min(config.max_tokens, limit)` of
