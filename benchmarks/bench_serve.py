@@ -18,8 +18,11 @@ configuration: `none#2` is a second server without speculation, measured like th
 `none` (1.00 on a quiet machine) is the benchmark's own resolution on this host (the A/A control):
 
     python benchmarks/bench_serve.py --policies default none none#2 --max-tokens 24 --repeats 5 --requests 16
- The table gives each mode's ratio to `none` twice: the
-ratio of the medians, and the median of the per-repeat ratios (each pair measured back to back).
+ The table gives each mode's ratio to `none` three ways: the
+ratio of the medians, the median of the per-repeat ratios (each pair measured back to back), and the geometric
+mean of those paired ratios with its 95% interval (Student t over their logarithms: an interval that holds 1.00
+means the run cannot tell that mode from `none`). It also gives the share of each mode's rounds at that level
+that drafted and that copied (prompt lookup), from the server's `/metrics` counters read around each level.
 
 Writes `benchmarks/results/serve.json` (every repeat, and medians) and prints a markdown table. Traffic goes to
 127.0.0.1 only; every request loop is bounded by `--requests`.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import signal
@@ -180,6 +184,20 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
+COUNTERS = ("rounds_total", "drafting_rounds_total", "lookup_rounds_total")
+
+
+def engine_counters(url: str) -> dict:
+    """The engine's round counters now (`/metrics`): differences around a level say how often it speculated."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+    out = {}
+    for line in text.splitlines():
+        for name in COUNTERS:
+            if line.startswith(f"dspark_engine_{name} "):
+                out[name] = float(line.split()[-1])
+    return out
+
+
 def engine_summary(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=60).text
     out = {"kernels": httpx.get(url + "/ready", timeout=60).json().get("kernels")}
@@ -205,6 +223,32 @@ def paired_ratio(runs: list[dict], base: list[dict]) -> float:
     return statistics.median(r["tokens_per_second"] / b["tokens_per_second"] for r, b in zip(runs, base))
 
 
+# two-sided 95% Student t quantiles by degrees of freedom (1-30); beyond 30, 2.0 is within 2% of the truth
+_T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13]
+_T95 += [2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04]
+
+
+def paired_interval(runs: list[dict], base: list[dict]) -> tuple[float, float, float] | None:
+    """Geometric mean of the paired ratios and its 95% interval (Student t over the log ratios), or `None`
+    with fewer than two pairs. An interval that holds 1.0 means the run cannot tell the modes apart."""
+    logs = [math.log(r["tokens_per_second"] / b["tokens_per_second"]) for r, b in zip(runs, base)]
+    if len(logs) < 2:
+        return None
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    half = (_T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 2.0) * sd / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def speculated_share(runs: list[dict]) -> str:
+    """Rounds that drafted or copied over all rounds of a mode's runs at a level (`-` without counters)."""
+    rounds = sum(r.get("rounds", 0) for r in runs)
+    if not rounds:
+        return "-"
+    drafted = sum(r.get("drafting_rounds", 0) for r in runs)
+    copied = sum(r.get("lookup_rounds", 0) for r in runs)
+    return f"{drafted / rounds:.0%} / {copied / rounds:.0%}"
+
+
 def render(report: dict) -> str:
     """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run (the
     ratio of the medians, and the median of the repeats' paired ratios)."""
@@ -212,8 +256,9 @@ def render(report: dict) -> str:
     medians = _medians(samples)
     modes = list(next(iter(samples.values())))
     lines = [
-        "| C | mode | repeats | tokens/s | vs none | vs none, paired | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| C | mode | repeats | tokens/s | vs none | vs none, paired | paired: mean [95% interval] "
+        "| rounds drafting / copying | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c, per_mode in medians.items():
         for mode in modes:
@@ -221,8 +266,11 @@ def render(report: dict) -> str:
             base = per_mode.get("none")
             ratio = f"{m['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "-"
             paired = f"{paired_ratio(samples[c][mode], samples[c]['none']):.2f}x" if base else "-"
+            interval = paired_interval(samples[c][mode], samples[c]["none"]) if base and mode != "none" else None
+            band = f"{interval[0]:.3f} [{interval[1]:.3f}, {interval[2]:.3f}]" if interval else "-"
             lines.append(
                 f"| {c} | {mode} | {len(samples[c][mode])} | {m['tokens_per_second']:.1f} | {ratio} | {paired} | "
+                f"{band} | {speculated_share(samples[c][mode])} | "
                 f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | {1000 * m['itl_p50']:.0f} / {1000 * m['itl_p99']:.0f} |"
             )
     return "\n".join(lines)
@@ -298,7 +346,11 @@ def main() -> None:
                     # one short request first: the server that waited idle while another was measured starts
                     # with cold caches and parked OpenMP threads, which the first measured mode of a pair paid
                     asyncio.run(load_level(servers[mode][1], 1, 1, 4))
+                    before = engine_counters(servers[mode][1])
                     res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens, prompts))
+                    after = engine_counters(servers[mode][1])
+                    for name in COUNTERS:  # this level's rounds, and how many of them drafted or copied
+                        res[name.removesuffix("_total")] = after.get(name, 0.0) - before.get(name, 0.0)
                     samples[c][mode].append(res)
                     print(f"repeat {rep} C={c:2d} {mode:>10}: {res['tokens_per_second']:6.1f} tok/s", flush=True)
                     out.write_text(json.dumps({**report, "samples": samples}, indent=1))  # partial results
