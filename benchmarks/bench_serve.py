@@ -187,25 +187,20 @@ def _pct(sorted_values: list[float], q: float) -> float:
 COUNTERS = ("rounds_total", "drafting_rounds_total", "lookup_rounds_total")
 
 
-def engine_counters(url: str) -> dict:
-    """The engine's round counters now (`/metrics`): differences around a level say how often it speculated."""
-    text = httpx.get(url + "/metrics", timeout=60).text
+def engine_metrics(url: str, names) -> dict:
+    """The server's `dspark_engine_NAME` values now (`/metrics`), for each of `names` it exposes."""
+    wanted = {f"dspark_engine_{name}": name for name in names}
     out = {}
-    for line in text.splitlines():
-        for name in COUNTERS:
-            if line.startswith(f"dspark_engine_{name} "):
-                out[name] = float(line.split()[-1])
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        key, _, value = line.partition(" ")
+        if key in wanted:
+            out[wanted[key]] = float(value.split()[-1])
     return out
 
 
 def engine_summary(url: str) -> dict:
-    text = httpx.get(url + "/metrics", timeout=60).text
     out = {"kernels": httpx.get(url + "/ready", timeout=60).json().get("kernels")}
-    for name in ("tau", "mean_verification_length", "drafting_rounds_total", "lookup_rounds_total", "rounds_total"):
-        for line in text.splitlines():
-            if line.startswith(f"dspark_engine_{name} "):
-                out[name] = float(line.split()[-1])
-    return out
+    return {**out, **engine_metrics(url, ("tau", "mean_verification_length", *COUNTERS))}
 
 
 def _medians(samples: dict) -> dict:
@@ -250,8 +245,9 @@ def speculated_share(runs: list[dict]) -> str:
 
 
 def render(report: dict) -> str:
-    """The markdown table of a (possibly partial) report: medians, and the ratio to `none` within the run (the
-    ratio of the medians, and the median of the repeats' paired ratios)."""
+    """The markdown table of a (possibly partial) report: medians, the ratio to `none` within the run (the ratio
+    of the medians, the median of the repeats' paired ratios, their geometric mean with its 95% interval) and the
+    share of rounds that drafted / copied (`-` for reports made before the counters were recorded)."""
     samples = {int(c): v for c, v in report["samples"].items()}
     medians = _medians(samples)
     modes = list(next(iter(samples.values())))
@@ -346,9 +342,9 @@ def main() -> None:
                     # one short request first: the server that waited idle while another was measured starts
                     # with cold caches and parked OpenMP threads, which the first measured mode of a pair paid
                     asyncio.run(load_level(servers[mode][1], 1, 1, 4))
-                    before = engine_counters(servers[mode][1])
+                    before = engine_metrics(servers[mode][1], COUNTERS)
                     res = asyncio.run(load_level(servers[mode][1], c, max(c, args.requests), args.max_tokens, prompts))
-                    after = engine_counters(servers[mode][1])
+                    after = engine_metrics(servers[mode][1], COUNTERS)
                     for name in COUNTERS:  # this level's rounds, and how many of them drafted or copied
                         res[name.removesuffix("_total")] = after.get(name, 0.0) - before.get(name, 0.0)
                     samples[c][mode].append(res)

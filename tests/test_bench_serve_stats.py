@@ -41,3 +41,19 @@ def test_the_speculated_share_counts_drafting_and_copy_rounds():
     runs = [{"rounds": 80, "drafting_rounds": 4, "lookup_rounds": 20}, {"rounds": 20, "drafting_rounds": 1}]
     assert bench_serve.speculated_share(runs) == "5% / 20%"
     assert bench_serve.speculated_share(_runs([1.0])) == "-"
+
+
+def test_the_counters_are_read_from_the_engines_own_exposition(monkeypatch):
+    from dspark_hf.decoding.metrics import EngineMetrics
+
+    metrics = EngineMetrics(block_size=4)
+    metrics.rounds, metrics.drafting_rounds, metrics.lookup_rounds = 40, 3, 7
+    text = "# HELP other\nother_total 5\n" + metrics.to_prometheus()
+
+    class Reply:
+        def __init__(self, body):
+            self.text = body
+
+    monkeypatch.setattr(bench_serve.httpx, "get", lambda url, timeout: Reply(text))
+    values = bench_serve.engine_metrics("http://127.0.0.1:1", bench_serve.COUNTERS)
+    assert values == {"rounds_total": 40.0, "drafting_rounds_total": 3.0, "lookup_rounds_total": 7.0}
