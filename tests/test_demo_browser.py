@@ -139,6 +139,16 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
     _set_number(page, "dspark-background", LIGHT_LOAD)
 
     light = _send(page, PROMPT)
+    for _ in range(2):
+        # The scenario needs a profile under which the light load pays for a draft. One measured while the other
+        # test worker ran can put a bump on the curve that makes even the light load decline every draft (seen
+        # on a loaded CI host): then measure it again and resend, at most twice; the assertions stay as they are.
+        if any(light["verified"]):
+            break
+        get_sps_profile(target, refresh=True)
+        page.locator("#dspark-clear").click()
+        page.wait_for_selector('.dspark-stats[data-phase="idle"]')
+        light = _send(page, PROMPT)
     light_stats = draft.last_generation_stats
     assert (
         light_stats.policy.startswith("HardwareAwarePolicy(")

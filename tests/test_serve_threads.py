@@ -108,20 +108,34 @@ def tiny_target(tmp_path_factory) -> Path:
     return folder
 
 
+def _paired(mode: str, control_mode: str, folder: Path, attempts: int = 3) -> list[tuple[int, int, dict]]:
+    """`(switches, control switches, probe output)` per attempt, stopping at the first clear separation.
+
+    The other test worker sharing the 2 CPUs also makes a single pool's threads sleep now and then, so one pair
+    can come out close (seen: 716 vs 1,201 on a loaded CI host, against ~0 vs ~1,150 alone); a pool left behind
+    separates in no attempt."""
+    pairs = []
+    for _ in range(attempts):
+        out = _probe(mode, folder)
+        control = _probe(control_mode, folder)["switches"]
+        pairs.append((out["switches"], control, out))
+        if control > 300 and out["switches"] * 4 < control:
+            break
+    return pairs
+
+
 def test_work_in_a_fresh_thread_leaves_the_caller_no_pool(tiny_target):
-    fresh = _probe("fresh", tiny_target)["switches"]
-    on_main = _probe("main", tiny_target)["switches"]  # negative control: the same work on the main thread
-    # 300 parallel regions: with one pool, its idle threads spin and hardly ever sleep; with two, each region
-    # costs sleeps and wake-ups (measured on 2 cores: 0 vs ~1,150)
+    # negative control: the same work on the main thread. 300 parallel regions: with one pool, its idle threads
+    # spin and hardly ever sleep; with two, each region costs sleeps and wake-ups (on 2 cores: 0 vs ~1,150)
+    fresh, on_main, _ = _paired("fresh", "main", tiny_target)[-1]
     assert on_main > 300, f"the control shows no throttled pool ({on_main} switches): the test has no power here"
     assert fresh * 4 < on_main, f"fresh-thread work left a pool: {fresh} switches vs {on_main} on the main thread"
 
 
 def test_load_app_loads_off_the_calling_thread(tiny_target):
-    served = _probe("load_app", tiny_target)
-    assert served["loaded_on_main"] == [False], "load_app ran the loader on the calling thread"
-    served = served["switches"]
     # negative control: the same load_app with the loader's kernels run on the main thread first
-    control = _probe("load_app_on_main", tiny_target)["switches"]
+    pairs = _paired("load_app", "load_app_on_main", tiny_target)
+    assert all(out["loaded_on_main"] == [False] for _, _, out in pairs), "load_app ran the loader on the calling thread"
+    served, control, _ = pairs[-1]
     assert control > 300, f"the control shows no throttled pool ({control} switches): the test has no power here"
     assert served * 4 < control, f"load_app left the main thread a pool: {served} switches vs {control}"
