@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -155,28 +156,28 @@ inline void rows_tile(const float* x, int64_t M, const float* const* ws, int64_t
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "exact linear: x [M, K], w [N, K]");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  const float* bp = nullptr;
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "exact linear: bias [N] float32");
-    bp = b.data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+namespace {
+
+// One weight of a multi-linear call: out[m, n] = dot(x[m], w[n]) (+ bias[n]) (+ residual[m, n]).
+struct LinearJob {
+  const float* w;
+  const float* bias;      // may be null
+  const float* residual;  // may be null: added after the dot product (and the bias), one IEEE add per element
+  float* out;
+  int64_t N;
+};
+
+// Every job against the same input x [M, K], in one parallel region over all jobs' column tiles, so that the
+// three projections of attention (or the two of the MLP) cost one fork/join instead of three. Each (m, n) is
+// still one full-K dot product with its own accumulator, computed exactly as a one-weight call computes it.
+void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<LinearJob>& jobs) {
   constexpr int64_t CT = 3;  // columns per tile
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 4
 #endif
-  const int64_t tiles = (N + CT - 1) / CT;
+  std::vector<int64_t> first_tile(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) first_tile[j + 1] = first_tile[j] + (jobs[j].N + CT - 1) / CT;
+  const int64_t tiles = first_tile.back();
   // Rows go in blocks of about 128 KB of input, so that a block stays in the core's L2 cache while every column
   // tile passes over it (without blocks, a prefill of many rows streamed its whole input from memory once per
   // column tile). Each (row, column) is still one full-K dot product with its own accumulator: the blocking
@@ -186,15 +187,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
     const int64_t rows = std::min<int64_t>(block_rows, M - m0);
     const float* xb = xp + m0 * K;
-    float* ob = op + m0 * N;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      size_t j = 0;
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n = t * CT;
+        while (t >= first_tile[j + 1]) ++j;
+        const LinearJob& job = jobs[j];
+        const int64_t N = job.N, n = (t - first_tile[j]) * CT;
         const int64_t cols = std::min<int64_t>(CT, N - n);
-        const float* b_n = bp ? bp + n : nullptr;
-        // the weights PREFETCH_TILES tiles on, within this thread's range (the range is contiguous in memory)
-        const float* ahead =
-            (PREFETCH_TILES > 0 && t + PREFETCH_TILES < end) ? wp + (n + PREFETCH_TILES * CT) * K : nullptr;
+        const float* wp = job.w;
+        const float* b_n = job.bias ? job.bias + n : nullptr;
+        float* ob = job.out + m0 * N;
+        // the weights PREFETCH_TILES tiles on, within this thread's range and this weight
+        const float* ahead = (PREFETCH_TILES > 0 && t + PREFETCH_TILES < std::min<int64_t>(end, first_tile[j + 1]))
+                                 ? wp + (n + PREFETCH_TILES * CT) * K
+                                 : nullptr;
         if (cols == 3) {
           const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
           rows_tile<3>(xb, rows, ws, K, ob + n, N, b_n, ahead);
@@ -205,9 +211,35 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
           const float* ws[1] = {wp + n * K};
           rows_tile<1>(xb, rows, ws, K, ob + n, N, b_n, ahead);
         }
+        if (job.residual != nullptr) {
+          const float* rb = job.residual + m0 * N;
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) ob[r * N + n + c] = rb[r * N + n + c] + ob[r * N + n + c];
+        }
       }
     });
   }
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == N, "exact linear: bias [N] float32");
+  return keep.data_ptr<float>();
+}
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "exact linear: x [M, K], w [N, K]");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
+  run_linears(x.data_ptr<float>(), M, K, {LinearJob{w.data_ptr<float>(), bp, nullptr, out.data_ptr<float>(), N}});
   return out;
 }
 
@@ -389,4 +421,84 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   const int64_t n = g.numel();
   for (int64_t i = 0; i < n; ++i) op[i] = (gp[i] / (1.0f + std::exp(-gp[i]))) * up[i];
   return out;
+}
+
+// ------------------------------------------------------------------------------------------- fused decoder layer
+// The exact mode's lean decoder-layer path (dspark_hf/model/kernels.py) in two calls per layer, around the KV
+// cache's update (which stays in Python): the same kernels as above, called in the same order on the same
+// values, so the results are bit-identical to calling them one by one; what goes away is a dozen Python-level
+// calls per layer and, with the projections sharing one parallel region, five of the seven fork/joins.
+
+// Pre-attention half: RMSNorm, the q/k/v projections, Qwen3's per-head q/k RMSNorm when its weights are given,
+// rotary embedding. x [M = B * L, W]; returns q [B, Hq, L, D], k [B, Hkv, L, D] and v [B, Hkv, L, D] (a view).
+std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
+                                   c10::optional<torch::Tensor> bq, torch::Tensor wk, c10::optional<torch::Tensor> bk,
+                                   torch::Tensor wv, c10::optional<torch::Tensor> bv,
+                                   c10::optional<torch::Tensor> qn_w, c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps,
+                                   torch::Tensor cos, torch::Tensor sin, int64_t batch, int64_t length, int64_t hq,
+                                   int64_t hkv) {
+  TORCH_CHECK(wq.scalar_type() == at::kFloat && wk.scalar_type() == at::kFloat && wv.scalar_type() == at::kFloat,
+              "exact attn_in: float32 weights");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == batch * length, "exact attn_in: x [B * L, W]");
+  wq = wq.contiguous();
+  wk = wk.contiguous();
+  wv = wv.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), D = cos.size(2);
+  TORCH_CHECK(wq.size(1) == K && wk.size(1) == K && wv.size(1) == K, "exact attn_in: weight widths");
+  TORCH_CHECK(wq.size(0) == hq * D && wk.size(0) == hkv * D && wv.size(0) == hkv * D, "exact attn_in: head shapes");
+  const torch::Tensor h = rms_norm(x, ln_w, eps);
+  auto q = torch::empty({M, hq * D}, x.options());
+  auto k = torch::empty({M, hkv * D}, x.options());
+  auto v = torch::empty({M, hkv * D}, x.options());
+  torch::Tensor kb_q, kb_k, kb_v;
+  run_linears(h.data_ptr<float>(), M, K,
+              {LinearJob{wq.data_ptr<float>(), bias_ptr(bq, hq * D, kb_q), nullptr, q.data_ptr<float>(), hq * D},
+               LinearJob{wk.data_ptr<float>(), bias_ptr(bk, hkv * D, kb_k), nullptr, k.data_ptr<float>(), hkv * D},
+               LinearJob{wv.data_ptr<float>(), bias_ptr(bv, hkv * D, kb_v), nullptr, v.data_ptr<float>(), hkv * D}});
+  if (qn_w.has_value() && qn_w->defined()) {
+    TORCH_CHECK(kn_w.has_value() && kn_w->defined(), "exact attn_in: q_norm without k_norm");
+    q = rms_norm(q.reshape({-1, D}), *qn_w, q_eps);
+    k = rms_norm(k.reshape({-1, D}), *kn_w, k_eps);
+  }
+  q = rope(q.reshape({batch, length, hq * D}), cos, sin, hq);
+  k = rope(k.reshape({batch, length, hkv * D}), cos, sin, hkv);
+  return {q, k, v.view({batch, length, hkv, D}).transpose(1, 2)};
+}
+
+// Post-attention half: attention of q over the (updated) cache k, v, the output projection plus the residual,
+// RMSNorm, the gate and up projections, SiLU gate, the down projection plus the residual. x [M, W] is the
+// layer's input (the residual stream); returns the layer's output [M, W].
+torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                       double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w, double eps,
+                       torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                       c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd) {
+  TORCH_CHECK(wo.scalar_type() == at::kFloat && wg.scalar_type() == at::kFloat && wu.scalar_type() == at::kFloat &&
+                  wd.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "exact attn_out: float32 only");
+  x = x.contiguous();
+  wo = wo.contiguous();
+  wg = wg.contiguous();
+  wu = wu.contiguous();
+  wd = wd.contiguous();
+  const int64_t M = x.size(0), W = x.size(1), I = wg.size(0);
+  TORCH_CHECK(wo.size(0) == W && wd.size(0) == W && wu.size(0) == I && wd.size(1) == I && wg.size(1) == W &&
+                  wu.size(1) == W,
+              "exact attn_out: weight shapes");
+  const torch::Tensor a = attention(q, k, v, mask, scale).reshape({M, -1});
+  TORCH_CHECK(a.size(1) == wo.size(1), "exact attn_out: o_proj width");
+  auto x1 = torch::empty({M, W}, x.options());
+  torch::Tensor keep_o, keep_g, keep_u, keep_d;
+  run_linears(a.data_ptr<float>(), M, a.size(1),
+              {LinearJob{wo.data_ptr<float>(), bias_ptr(bo, W, keep_o), x.data_ptr<float>(), x1.data_ptr<float>(), W}});
+  const torch::Tensor h = rms_norm(x1, ln_w, eps);
+  auto g = torch::empty({M, I}, x.options());
+  auto u = torch::empty({M, I}, x.options());
+  run_linears(h.data_ptr<float>(), M, W,
+              {LinearJob{wg.data_ptr<float>(), bias_ptr(bg, I, keep_g), nullptr, g.data_ptr<float>(), I},
+               LinearJob{wu.data_ptr<float>(), bias_ptr(bu, I, keep_u), nullptr, u.data_ptr<float>(), I}});
+  const torch::Tensor s = silu_mul(g, u);
+  auto x2 = torch::empty({M, W}, x.options());
+  run_linears(s.data_ptr<float>(), M, I,
+              {LinearJob{wd.data_ptr<float>(), bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}});
+  return x2;
 }

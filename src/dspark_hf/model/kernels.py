@@ -63,6 +63,8 @@ _MODE: str | None = None  # set_kernels(); None: environment / legacy packing fl
 _EXACT_FLAG = "_dspark_exact_mode"  # set on every module of a model inside exact_kernels(); read by mode_linear
 _BACKEND: object | None = None  # the compiled extension, or False when it could not be built
 _BUILD_LOCK = threading.Lock()
+_LEAN_ARGS = "_dspark_lean_arguments"  # set on a layer while it runs the lean path
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # the attention kernel's "causal over the cache"
 
 
 def _check_mode(mode: str) -> str:
@@ -169,7 +171,7 @@ def _build():
     return cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
-        functions=["linear", "attention", "rms_norm", "rope", "silu_mul"],
+        functions=["linear", "attention", "rms_norm", "rope", "silu_mul", "attn_in", "attn_out"],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -296,6 +298,24 @@ def is_exact(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _exact_forward
 
 
+def _check_attention_options(module: nn.Module, dropout: float, kwargs: dict) -> None:
+    for name in ("s_aux", "sinks", "softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"The exact kernel mode does not support attention with `{name}` (model "
+                f"{type(module).__name__}); use kernels='stock' or 'packed' for this model."
+            )
+    if dropout and module.training:
+        raise NotImplementedError("The exact kernel mode is for inference; attention dropout is not supported.")
+
+
+def _bool_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' attention mask as booleans (true = may attend); an additive float mask allows what is finite."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min)
+    return mask
+
+
 # ---------------------------------------------------------------------------------------------- attention
 def exact_attention_forward(
     module: nn.Module,
@@ -314,18 +334,9 @@ def exact_attention_forward(
     computed exactly as a one-query call over the same visible keys computes it. Shapes follow transformers'
     convention: `query` `[B, Hq, Lq, D]`, `key`/`value` `[B, Hkv, Lk, D]`; returns `([B, Lq, Hq, D], None)`.
     """
-    for name in ("s_aux", "sinks", "softcap", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"The exact kernel mode does not support attention with `{name}` (model "
-                f"{type(module).__name__}); use kernels='stock' or 'packed' for this model."
-            )
-    if dropout and module.training:
-        raise NotImplementedError("The exact kernel mode is for inference; attention dropout is not supported.")
+    _check_attention_options(module, dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = attention_mask
-    if mask is not None and mask.dtype != torch.bool:  # an additive float mask: allowed where it is finite
-        mask = torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min)
+    mask = _bool_mask(attention_mask)
     if query.shape[2] > EXACT_MAX_ROWS:  # a prefill: the same call in plain and speculative decoding
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -428,12 +439,16 @@ def _lean_layer_forward(
     The same arithmetic as transformers' layer (pre-norm attention with rotary embeddings, then the SwiGLU MLP,
     residuals around both) with every per-row operation on the compiled kernels: RMSNorm, the seven linears,
     rotary embedding, attention over the cache and the SiLU gate. Each row is computed exactly as it would be
-    alone, like the rest of the exact mode, and skipping ~40 small PyTorch operations and eight module calls
-    per layer is most of what a one-token forward of a small model spends outside its matrix products.
+    alone, like the rest of the exact mode. The layer is two compiled calls around the KV cache's update
+    (`attn_in`: norm, q/k/v in one parallel region, rotation; `attn_out`: attention, output projection and
+    residual, norm, gate/up in one region, SiLU gate, down projection and residual), bit-identical to calling
+    the kernels one by one: skipping ~40 small PyTorch operations, eight module calls and five of seven
+    fork/joins per layer is most of what a one-token forward of a small model spends outside its matrix
+    products (SmolLM2-135M, 2-core CPU: a one-token forward 22.2 ms with one call per kernel, 19.6 ms fused).
     Forwards it does not cover (a prefill of sequences longer than `EXACT_MAX_ROWS` tokens, gradients, other
     dtypes) run the layer's own forward.
     """
-    attn, mlp = self.self_attn, self.mlp
+    attn = self.self_attn
     batch, length, width = hidden_states.shape
     backend = _backend()
     if (
@@ -455,31 +470,55 @@ def _lean_layer_forward(
             position_embeddings=position_embeddings,
             **kwargs,
         )
-    dim = attn.head_dim
-    x = hidden_states.reshape(batch * length, width)
-    h = backend.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-    q = backend.linear(h, attn.q_proj.weight, attn.q_proj.bias)
-    k = backend.linear(h, attn.k_proj.weight, attn.k_proj.bias)
-    v = backend.linear(h, attn.v_proj.weight, attn.v_proj.bias)
-    q_heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's vector before the rotation
-        q = backend.rms_norm(q.reshape(-1, dim), attn.q_norm.weight, attn.q_norm.variance_epsilon)
-        k = backend.rms_norm(k.reshape(-1, dim), attn.k_norm.weight, attn.k_norm.variance_epsilon)
+    _check_attention_options(attn, 0.0, kwargs)
+    norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
     cos, sin = position_embeddings
-    q = backend.rope(q.reshape(batch, length, q_heads * dim), cos, sin, q_heads)  # [B, Hq, L, D]
-    k = backend.rope(k.reshape(batch, length, kv_heads * dim), cos, sin, kv_heads)  # [B, Hkv, L, D]
-    v = v.view(batch, length, kv_heads, dim).transpose(1, 2)
+    x = hidden_states.reshape(batch * length, width)
+    # q [B, Hq, L, D], k and v [B, Hkv, L, D]
+    q, k, v = backend.attn_in(x, *norm_etc, cos, sin, batch, length, *head_counts)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
-    out, _ = exact_attention_forward(attn, q, k, v, attention_mask, scaling=attn.scaling, **kwargs)
-    x = x + backend.linear(out.reshape(batch * length, q_heads * dim), attn.o_proj.weight, attn.o_proj.bias)
-    h = backend.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon)
-    gated = backend.silu_mul(
-        backend.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias),
-        backend.linear(h, mlp.up_proj.weight, mlp.up_proj.bias),
-    )
-    x = x + backend.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+    mask = _bool_mask(attention_mask)
+    x = backend.attn_out(x, q, k, v, _NO_MASK if mask is None else mask, *post_attention)
     return x.view(batch, length, width)
+
+
+def _lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
+    """The weights and constants of one layer's two fused calls, gathered once when the exact mode starts (a
+    forward then skips ~40 module attribute lookups). They are the parameter tensors themselves, so in-place
+    updates of the weights are seen; assigning a new parameter object inside the `exact_kernels` block is not."""
+    attn, mlp, pre, post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    qk_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over each head's vector before the rotation
+    norm_etc = (
+        pre.weight,
+        pre.variance_epsilon,
+        attn.q_proj.weight,
+        attn.q_proj.bias,
+        attn.k_proj.weight,
+        attn.k_proj.bias,
+        attn.v_proj.weight,
+        attn.v_proj.bias,
+        attn.q_norm.weight if qk_norm else None,
+        attn.k_norm.weight if qk_norm else None,
+        attn.q_norm.variance_epsilon if qk_norm else 0.0,
+        attn.k_norm.variance_epsilon if qk_norm else 0.0,
+    )
+    head_counts = (attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim)
+    scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
+    post_attention = (
+        float(scale),
+        attn.o_proj.weight,
+        attn.o_proj.bias,
+        post.weight,
+        post.variance_epsilon,
+        mlp.gate_proj.weight,
+        mlp.gate_proj.bias,
+        mlp.up_proj.weight,
+        mlp.up_proj.bias,
+        mlp.down_proj.weight,
+        mlp.down_proj.bias,
+    )
+    return norm_etc, head_counts, post_attention
 
 
 def is_lean(layer: nn.Module) -> bool:
@@ -531,6 +570,7 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                     module.forward = types.MethodType(_exact_forward, module)
                     changed.append(module)
             for layer in lean:
+                layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
                 layer.forward = types.MethodType(_lean_layer_forward, layer)
                 changed.append(layer)
         yield
@@ -538,6 +578,7 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
         for module in changed:
             if is_exact(module) or is_lean(module):
                 del module.forward
+            module.__dict__.pop(_LEAN_ARGS, None)
         for module in flagged:
             module.__dict__.pop(_EXACT_FLAG, None)
         for model, previous in reversed(attn):
