@@ -294,3 +294,36 @@ def test_the_drafts_functional_linears_follow_its_kernel_mode(monkeypatch):
         draft.draft_logits(hidden)
     assert len(calls) == 2  # back on F.linear
     assert not any(kernels._EXACT_FLAG in m.__dict__ for m in (*draft.modules(), *target.modules()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_lean_layers_grow_the_cache_in_place_and_hold_what_concatenation_holds(arch, monkeypatch):
+    # the lean path writes new keys/values into buffers with room to grow instead of transformers' torch.cat;
+    # across decoding, verification, a crop (a rejected draft) and a prefill on the stock path, the cache must
+    # hold exactly what concatenation holds, and the logits must be bit-identical
+    target = _target(arch)
+    gen = torch.Generator().manual_seed(5)
+    prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 12), generator=gen)
+
+    def run():
+        cache, logits, pointers = DynamicCache(config=target.config), [], set()
+        with use_kernels(target, mode="exact"), torch.no_grad():
+            logits.append(target(prompt, cache=cache, use_cache=True).logits)
+            for i in range(3):  # one token at a time
+                logits.append(target(new[:, i : i + 1], cache=cache, use_cache=True).logits)
+                pointers.add(cache.layers[0].keys.data_ptr())
+            logits.append(target(new[:, 3:8], cache=cache, use_cache=True).logits)  # a 5-token verification
+            cache.crop(-3)  # three of them rejected
+            logits.append(target(new[:, 8:12], cache=cache, use_cache=True).logits)
+            pointers.add(cache.layers[0].keys.data_ptr())
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        return logits, kv, pointers
+
+    grown, grown_kv, pointers = run()
+    assert len(pointers) == 1  # one buffer per layer, written in place after the prefill
+    monkeypatch.setattr(kernels, "_append_kv", lambda cache, i, k, v, kw: cache.update(k, v, i, kwargs=kw))
+    concatenated, concatenated_kv, cat_pointers = run()
+    assert len(cat_pointers) > 1  # the control really concatenated (a new tensor every forward)
+    assert all(torch.equal(a, b) for a, b in zip(grown, concatenated))
+    assert all(torch.equal(a, b) for pair_a, pair_b in zip(grown_kv, concatenated_kv) for a, b in zip(pair_a, pair_b))
+    assert grown_kv[0][0].shape[2] == CONTEXT + 3 + 5 - 3 + 4

@@ -477,10 +477,65 @@ def _lean_layer_forward(
     # q [B, Hq, L, D], k and v [B, Hkv, L, D]
     q, k, v = backend.attn_in(x, *norm_etc, cos, sin, batch, length, *head_counts)
     if cache is not None:
-        k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        k, v = _append_kv(cache, attn.layer_idx, k, v, kwargs)
     mask = _bool_mask(attention_mask)
     x = backend.attn_out(x, q, k, v, _NO_MASK if mask is None else mask, *post_attention)
     return x.view(batch, length, width)
+
+
+_KV_BUFFERS = "_dspark_kv_buffers"  # on a transformers DynamicLayer: (keys, values) with room to grow
+
+
+def _append_kv(cache, index: int, keys: torch.Tensor, values: torch.Tensor, kwargs: dict):
+    """`cache.update(keys, values, index)` for a plain `DynamicLayer`, without its concatenation.
+
+    transformers' `DynamicLayer` appends by `torch.cat`, copying the layer's whole cache on every forward
+    (30 layers x two copies of the context per decoded token). Here the layer's keys and values become views
+    of buffers with room to grow (capacity doubling), and each forward writes only its new positions; the
+    values the layer holds, and therefore what attention reads, are the same. A crop shortens the view and the
+    next write overwrites the cropped positions. Any other cache or layer type (the engine's slot caches,
+    sliding windows, offloading), or a layer whose tensors were replaced since (a prefill on the stock path,
+    a beam reorder), goes through the cache's own `update` or starts a fresh buffer.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or index >= len(layers) or getattr(cache, "offloading", False):
+        return cache.update(keys, values, index, kwargs=kwargs)
+    layer = layers[index]
+    if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
+        return cache.update(keys, values, index, kwargs=kwargs)
+    held_k, held_v = layer.keys, layer.values
+    n, new = held_k.shape[2], keys.shape[2]
+    buffers = layer.__dict__.get(_KV_BUFFERS)
+    fits = (
+        buffers is not None
+        and held_k.data_ptr() == buffers[0].data_ptr()
+        and held_v.data_ptr() == buffers[1].data_ptr()
+        and held_k.stride() == buffers[0].stride()
+        and held_v.stride() == buffers[1].stride()
+        and n + new <= buffers[0].shape[2]
+        and buffers[0].shape[:2] == keys.shape[:2]
+        and buffers[0].shape[3] == keys.shape[3]
+        and buffers[0].dtype == keys.dtype
+    )
+    if not fits:
+        if n and (held_k.shape[:2] != keys.shape[:2] or held_k.dtype != keys.dtype):
+            return cache.update(keys, values, index, kwargs=kwargs)
+        capacity = max(256, 2 * (n + new))
+        batch, heads, _, dim = keys.shape
+        buffers = (
+            keys.new_empty(batch, heads, capacity, dim),
+            values.new_empty(batch, heads, capacity, values.shape[3]),
+        )
+        if n:
+            buffers[0][:, :, :n] = held_k
+            buffers[1][:, :, :n] = held_v
+        layer.__dict__[_KV_BUFFERS] = buffers
+    buffers[0][:, :, n : n + new] = keys
+    buffers[1][:, :, n : n + new] = values
+    layer.keys, layer.values = buffers[0][:, :, : n + new], buffers[1][:, :, : n + new]
+    return layer.keys, layer.values
 
 
 def _lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
