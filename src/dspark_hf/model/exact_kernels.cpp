@@ -63,10 +63,18 @@ inline void vstore(float* p, vec8 a) { std::memcpy(p, a.v, sizeof(a.v)); }
 
 // The fixed horizontal sum: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
 inline float hsum(vec8 a) {
+#if defined(DSPARK_AVX2) && !defined(DSPARK_SCALAR_HSUM)
+  // the same four additions in registers: (lo + hi) gives (s04, s15, s26, s37); adding its upper half gives
+  // (s04 + s26, s15 + s37); adding lane 1 to lane 0 gives the sum
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+#else
   alignas(32) float l[8];
   vstore(l, a);
   const float s04 = l[0] + l[4], s26 = l[2] + l[6], s15 = l[1] + l[5], s37 = l[3] + l[7];
   return (s04 + s26) + (s15 + s37);
+#endif
 }
 
 // A zero-padded copy of the last K % 8 elements, so the tail goes through the same vector step.
