@@ -327,3 +327,48 @@ def test_the_lean_layers_grow_the_cache_in_place_and_hold_what_concatenation_hol
     assert all(torch.equal(a, b) for a, b in zip(grown, concatenated))
     assert all(torch.equal(a, b) for pair_a, pair_b in zip(grown_kv, concatenated_kv) for a, b in zip(pair_a, pair_b))
     assert grown_kv[0][0].shape[2] == CONTEXT + 3 + 5 - 3 + 4
+
+
+def test_the_drafts_layers_run_the_compiled_layer_calls_and_match_their_pytorch_path():
+    # in the exact mode a DSpark draft's Qwen3-style layers run the same two compiled calls as the target's (their
+    # proposals are verified either way, so close is enough); a wrong rotation there must show
+    from dspark_hf.decoding.caches import KVStore
+    from dspark_hf.decoding.drafting import draft_block, ingest
+
+    target = make_target("llama", markov=True, dtype=torch.float32)
+    draft = make_aligned_draft(target, block_size=5, num_layers=2)
+    torch.nn.init.normal_(draft.norm.weight)  # the aligned helper zeroes it; the backbone's output must show here
+    gen = torch.Generator().manual_seed(4)
+    features = torch.randn(9, draft.fc.in_features, generator=gen)
+    anchors = torch.tensor([3])
+
+    def backbone():
+        store = KVStore(64)
+        with torch.no_grad():
+            ingest(draft, [store], [features])
+            return draft_block(draft, [store], anchors)[0]
+
+    reference = backbone()
+    with use_kernels(target, draft, mode="exact"):
+        assert all(is_lean(layer) for layer in draft.layers)
+        lean = backbone()
+    assert not any(is_lean(layer) for layer in draft.layers)
+    torch.testing.assert_close(lean, reference, rtol=1e-4, atol=1e-4)
+    real = kernels._backend()
+
+    class WrongRotation:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def attn_in(self, x, *args):
+            args = list(args)
+            args[13] = -args[13]  # sin
+            return real.attn_in(x, *args)
+
+    kernels._BACKEND = WrongRotation()
+    try:
+        with use_kernels(target, draft, mode="exact"):
+            wrong = backbone()
+    finally:
+        kernels._BACKEND = real
+    assert not torch.allclose(wrong, reference, rtol=1e-4, atol=1e-4)

@@ -576,9 +576,97 @@ def _lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
     return norm_etc, head_counts, post_attention
 
 
+def _lean_draft_eligible(layer: nn.Module) -> bool:
+    """A DSpark draft's Qwen3-style layer that the compiled layer calls can run: SiLU MLP, q/k RMSNorm, no value
+    norm, separate value projection, the usual score scale, plain rotary (no scaling), fp32 CPU weights, no hooks."""
+    if type(layer).__name__ != "DSparkDecoderLayer" or "forward" in layer.__dict__:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    config = attn.rotary.config
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (
+        config.hidden_act == "silu"
+        and config.rope_parameters.get("rope_type", "default") == "default"
+        and attn.v_norm is None
+        and not attn.k_eq_v
+        and attn.scale is None
+        and all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32 for lin in linears)
+        and all(lin.weight.device.type == "cpu" for lin in linears)
+        and all(_plain(m) for m in [layer, attn, mlp, *linears])
+    )
+
+
+def _lean_draft_layer_forward(
+    self: nn.Module,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    ctx_keys: torch.Tensor,
+    ctx_values: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A DSpark draft layer (block queries over `[context ; block]` keys, bidirectional) on the two compiled layer
+    calls. The draft's arithmetic only has to be close to its PyTorch path (its proposals are verified either
+    way): the norms, rotation and attention are the exact kernels' versions of the same formulas."""
+    backend = _backend()
+    if (
+        backend is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or ctx_keys.dtype != torch.float32
+        or (torch.is_grad_enabled() and (x.requires_grad or self.self_attn.q_proj.weight.requires_grad))
+    ):
+        return type(self).forward(self, x, positions, ctx_keys, ctx_values, attention_mask)
+    attn = self.self_attn
+    batch, length, width = x.shape
+    cos, sin = attn.rotary.cos_sin(positions, x.dtype)  # [B, 1, S, hd]
+    norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
+    rows = x.reshape(batch * length, width)
+    q, k, v = backend.attn_in(rows, *norm_etc, cos[:, 0], sin[:, 0], batch, length, *head_counts)
+    keys = torch.cat([ctx_keys, k], dim=-2)
+    values = torch.cat([ctx_values, v], dim=-2)
+    if attention_mask is None:  # the block sees all of its context and itself
+        attention_mask = torch.ones(1, 1, 1, keys.shape[-2], dtype=torch.bool)
+    out = backend.attn_out(rows, q, keys, values, attention_mask, *post_attention)
+    return out.view(batch, length, width)
+
+
+def _lean_draft_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
+    attn, mlp, pre, post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    norm_etc = (
+        pre.weight,
+        pre.eps,
+        attn.q_proj.weight,
+        attn.q_proj.bias,
+        attn.k_proj.weight,
+        attn.k_proj.bias,
+        attn.v_proj.weight,
+        attn.v_proj.bias,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        attn.q_norm.eps,
+        attn.k_norm.eps,
+    )
+    head_counts = (attn.num_heads, attn.num_kv_heads)
+    post_attention = (
+        float(attn.head_dim**-0.5),
+        attn.o_proj.weight,
+        attn.o_proj.bias,
+        post.weight,
+        post.eps,
+        mlp.gate_proj.weight,
+        mlp.gate_proj.bias,
+        mlp.up_proj.weight,
+        mlp.up_proj.bias,
+        mlp.down_proj.weight,
+        mlp.down_proj.bias,
+    )
+    return norm_etc, head_counts, post_attention
+
+
 def is_lean(layer: nn.Module) -> bool:
-    """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`])."""
-    return getattr(layer.__dict__.get("forward"), "__func__", None) is _lean_layer_forward
+    """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`], or for a DSpark
+    draft's layer [`_lean_draft_layer_forward`])."""
+    return getattr(layer.__dict__.get("forward"), "__func__", None) in (_lean_layer_forward, _lean_draft_layer_forward)
 
 
 # ---------------------------------------------------------------------------------------------- modes
@@ -628,6 +716,11 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
                 layer.forward = types.MethodType(_lean_layer_forward, layer)
                 changed.append(layer)
+            if _backend() is not None:  # a DSpark draft's own layers: the same compiled calls
+                for layer in [m for m in model.modules() if _lean_draft_eligible(m)]:
+                    layer.__dict__[_LEAN_ARGS] = _lean_draft_arguments(layer)
+                    layer.forward = types.MethodType(_lean_draft_layer_forward, layer)
+                    changed.append(layer)
         yield
     finally:
         for module in changed:
