@@ -444,7 +444,8 @@ def _lean_layer_forward(
     residual, norm, gate/up in one region, SiLU gate, down projection and residual), bit-identical to calling
     the kernels one by one: skipping ~40 small PyTorch operations, eight module calls and five of seven
     fork/joins per layer is most of what a one-token forward of a small model spends outside its matrix
-    products (SmolLM2-135M, 2-core CPU: a one-token forward 22.2 ms with one call per kernel, 19.6 ms fused).
+    products (SmolLM2-135M, 2-core CPU: plain exact decoding 11% faster than with one call per kernel,
+    docs/cpu-packing.md).
     Forwards it does not cover (a prefill of sequences longer than `EXACT_MAX_ROWS` tokens, gradients, other
     dtypes) run the layer's own forward.
     """
