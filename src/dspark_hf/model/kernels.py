@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from .._paths import cache_dir
 from .cpu_packing import cpu_packing_enabled, is_packed, packed_linears, packing_available
@@ -498,8 +499,6 @@ def _append_kv(cache, index: int, keys: torch.Tensor, values: torch.Tensor, kwar
     sliding windows, offloading), or a layer whose tensors were replaced since (a prefill on the stock path,
     a beam reorder), goes through the cache's own `update` or starts a fresh buffer.
     """
-    from transformers.cache_utils import DynamicLayer
-
     layers = getattr(cache, "layers", None)
     if layers is None or index >= len(layers) or getattr(cache, "offloading", False):
         return cache.update(keys, values, index, kwargs=kwargs)
@@ -539,15 +538,22 @@ def _append_kv(cache, index: int, keys: torch.Tensor, values: torch.Tensor, kwar
     return layer.keys, layer.values
 
 
+def _epsilon(norm: nn.Module) -> float:
+    """An RMSNorm's epsilon: transformers' norms call it `variance_epsilon`, the draft's `eps`."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
 def _lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
-    """The weights and constants of one layer's two fused calls, gathered once when the exact mode starts (a
-    forward then skips ~40 module attribute lookups). They are the parameter tensors themselves, so in-place
-    updates of the weights are seen; assigning a new parameter object inside the `exact_kernels` block is not."""
+    """The weights and constants of one layer's two fused calls (a transformers Llama-family layer or a DSpark
+    draft's Qwen3-style layer), gathered once when the exact mode starts (a forward then skips ~40 module
+    attribute lookups). They are the parameter tensors themselves, so in-place updates of the weights are seen;
+    assigning a new parameter object inside the `exact_kernels` block is not."""
     attn, mlp, pre, post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-    qk_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over each head's vector before the rotation
+    qk_norm = hasattr(attn, "q_norm")  # Qwen3 and the draft: RMSNorm over each head's vector before the rotation
     norm_etc = (
         pre.weight,
-        pre.variance_epsilon,
+        _epsilon(pre),
         attn.q_proj.weight,
         attn.q_proj.bias,
         attn.k_proj.weight,
@@ -556,17 +562,17 @@ def _lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
         attn.v_proj.bias,
         attn.q_norm.weight if qk_norm else None,
         attn.k_norm.weight if qk_norm else None,
-        attn.q_norm.variance_epsilon if qk_norm else 0.0,
-        attn.k_norm.variance_epsilon if qk_norm else 0.0,
+        _epsilon(attn.q_norm) if qk_norm else 0.0,
+        _epsilon(attn.k_norm) if qk_norm else 0.0,
     )
     head_counts = (attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim)
-    scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
+    scale = getattr(attn, "scaling", None)  # transformers' layers; the draft's eligible layers use the usual one
     post_attention = (
-        float(scale),
+        float(attn.head_dim**-0.5 if scale is None else scale),
         attn.o_proj.weight,
         attn.o_proj.bias,
         post.weight,
-        post.variance_epsilon,
+        _epsilon(post),
         mlp.gate_proj.weight,
         mlp.gate_proj.bias,
         mlp.up_proj.weight,
@@ -631,39 +637,6 @@ def _lean_draft_layer_forward(
     return out.view(batch, length, width)
 
 
-def _lean_draft_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple]:
-    attn, mlp, pre, post = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-    norm_etc = (
-        pre.weight,
-        pre.eps,
-        attn.q_proj.weight,
-        attn.q_proj.bias,
-        attn.k_proj.weight,
-        attn.k_proj.bias,
-        attn.v_proj.weight,
-        attn.v_proj.bias,
-        attn.q_norm.weight,
-        attn.k_norm.weight,
-        attn.q_norm.eps,
-        attn.k_norm.eps,
-    )
-    head_counts = (attn.num_heads, attn.num_kv_heads)
-    post_attention = (
-        float(attn.head_dim**-0.5),
-        attn.o_proj.weight,
-        attn.o_proj.bias,
-        post.weight,
-        post.eps,
-        mlp.gate_proj.weight,
-        mlp.gate_proj.bias,
-        mlp.up_proj.weight,
-        mlp.up_proj.bias,
-        mlp.down_proj.weight,
-        mlp.down_proj.bias,
-    )
-    return norm_etc, head_counts, post_attention
-
-
 def is_lean(layer: nn.Module) -> bool:
     """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`], or for a DSpark
     draft's layer [`_lean_draft_layer_forward`])."""
@@ -719,7 +692,7 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 changed.append(layer)
             if _backend() is not None:  # a DSpark draft's own layers: the same compiled calls
                 for layer in [m for m in model.modules() if _lean_draft_eligible(m)]:
-                    layer.__dict__[_LEAN_ARGS] = _lean_draft_arguments(layer)
+                    layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
                     layer.forward = types.MethodType(_lean_draft_layer_forward, layer)
                     changed.append(layer)
         yield
