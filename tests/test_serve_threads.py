@@ -108,19 +108,27 @@ def tiny_target(tmp_path_factory) -> Path:
     return folder
 
 
+_SEPARATES = 0.85  # a probed mode shows one pool when its switches stay below this share of the control's
+
+
+def _separates(switches: int, control: int) -> bool:
+    return switches < _SEPARATES * control
+
+
 def _paired(mode: str, control_mode: str, folder: Path, attempts: int = 3) -> list[tuple[int, int, dict]]:
     """`(switches, control switches, probe output)` per attempt, stopping at the first clear separation.
 
-    The other test worker sharing the 2 CPUs also makes a single pool's threads sleep now and then, so one pair
-    can come out close (seen on a loaded CI host: 716 and 349 vs 1,201, against ~0 vs ~1,150 alone), so the bar is
-    half the control's switches, not a quarter; a pool left behind switches as often as the control (both ~4 per
-    region) and clears it in no attempt."""
+    A pool left behind throttles every region the same way: the control's count is 4 per region (1,199-1,201 for
+    300 regions in every probe, idle or next to a busy process), and a leftover pool in the probed mode gives the
+    same. The one-pool modes give ~0 alone, but next to a busy process (the other test worker) their idle helper
+    also sleeps now and then: 544-842 seen on a loaded host, up to 0.70 of the control. So the bar is 85% of the
+    control's count (`_SEPARATES`): a leftover pool never clears it, a loaded host's one pool does."""
     pairs = []
     for _ in range(attempts):
         out = _probe(mode, folder)
         control = _probe(control_mode, folder)["switches"]
         pairs.append((out["switches"], control, out))
-        if control > 300 and out["switches"] * 2 < control:
+        if control > 300 and _separates(out["switches"], control):
             break
     return pairs
 
@@ -130,7 +138,9 @@ def test_work_in_a_fresh_thread_leaves_the_caller_no_pool(tiny_target):
     # spin and hardly ever sleep; with two, each region costs sleeps and wake-ups (on 2 cores: 0 vs ~1,150)
     fresh, on_main, _ = _paired("fresh", "main", tiny_target)[-1]
     assert on_main > 300, f"the control shows no throttled pool ({on_main} switches): the test has no power here"
-    assert fresh * 2 < on_main, f"fresh-thread work left a pool: {fresh} switches vs {on_main} on the main thread"
+    assert _separates(fresh, on_main), (
+        f"fresh-thread work left a pool: {fresh} switches vs {on_main} on the main thread"
+    )
 
 
 def test_load_app_loads_off_the_calling_thread(tiny_target):
@@ -139,4 +149,4 @@ def test_load_app_loads_off_the_calling_thread(tiny_target):
     assert all(out["loaded_on_main"] == [False] for _, _, out in pairs), "load_app ran the loader on the calling thread"
     served, control, _ = pairs[-1]
     assert control > 300, f"the control shows no throttled pool ({control} switches): the test has no power here"
-    assert served * 2 < control, f"load_app left the main thread a pool: {served} switches vs {control}"
+    assert _separates(served, control), f"load_app left the main thread a pool: {served} switches vs {control}"
