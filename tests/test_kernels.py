@@ -296,6 +296,35 @@ def test_the_drafts_functional_linears_follow_its_kernel_mode(monkeypatch):
     assert not any(kernels._EXACT_FLAG in m.__dict__ for m in (*draft.modules(), *target.modules()))
 
 
+def _decode_sequence(target, prompt, new, hooked=()):
+    """Prefill, three one-token steps, a 5-token verification, a crop of 3 (a rejected draft), a 4-token forward:
+    the logits of each, the cache's keys and values at the end, the first layer's key pointers after each step,
+    and what forward hooks on the layers `hooked` recorded."""
+    from dspark_hf._transformers import recording_layers
+
+    cache, logits, pointers = DynamicCache(config=target.config), [], set()
+    with use_kernels(target, mode="exact"), torch.no_grad(), recording_layers(target, hooked) as recorder:
+        recorded = []
+        logits.append(target(prompt, cache=cache, use_cache=True).logits)
+        for i in range(3):  # one token at a time
+            logits.append(target(new[:, i : i + 1], cache=cache, use_cache=True).logits)
+            pointers.add(cache.layers[0].keys.data_ptr())
+            recorded.append(recorder.features() if recorder else None)
+        logits.append(target(new[:, 3:8], cache=cache, use_cache=True).logits)  # a 5-token verification
+        recorded.append(recorder.features() if recorder else None)
+        cache.crop(-3)  # three of them rejected
+        logits.append(target(new[:, 8:12], cache=cache, use_cache=True).logits)
+        pointers.add(cache.layers[0].keys.data_ptr())
+    kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    return logits, kv, pointers, recorded
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_lean_layers_grow_the_cache_in_place_and_hold_what_concatenation_holds(arch, monkeypatch):
     # the lean path writes new keys/values into buffers with room to grow instead of transformers' torch.cat;
@@ -304,29 +333,59 @@ def test_the_lean_layers_grow_the_cache_in_place_and_hold_what_concatenation_hol
     target = _target(arch)
     gen = torch.Generator().manual_seed(5)
     prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 12), generator=gen)
-
-    def run():
-        cache, logits, pointers = DynamicCache(config=target.config), [], set()
-        with use_kernels(target, mode="exact"), torch.no_grad():
-            logits.append(target(prompt, cache=cache, use_cache=True).logits)
-            for i in range(3):  # one token at a time
-                logits.append(target(new[:, i : i + 1], cache=cache, use_cache=True).logits)
-                pointers.add(cache.layers[0].keys.data_ptr())
-            logits.append(target(new[:, 3:8], cache=cache, use_cache=True).logits)  # a 5-token verification
-            cache.crop(-3)  # three of them rejected
-            logits.append(target(new[:, 8:12], cache=cache, use_cache=True).logits)
-            pointers.add(cache.layers[0].keys.data_ptr())
-        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        return logits, kv, pointers
-
-    grown, grown_kv, pointers = run()
+    grown, grown_kv, pointers, _ = _decode_sequence(target, prompt, new)
     assert len(pointers) == 1  # one buffer per layer, written in place after the prefill
-    monkeypatch.setattr(kernels, "_append_kv", lambda cache, i, k, v, kw: cache.update(k, v, i, kwargs=kw))
-    concatenated, concatenated_kv, cat_pointers = run()
+    monkeypatch.setattr(kernels, "_kv_room", lambda *args: None)  # every layer through the cache's own update
+    concatenated, concatenated_kv, cat_pointers, _ = _decode_sequence(target, prompt, new)
     assert len(cat_pointers) > 1  # the control really concatenated (a new tensor every forward)
-    assert all(torch.equal(a, b) for a, b in zip(grown, concatenated))
-    assert all(torch.equal(a, b) for pair_a, pair_b in zip(grown_kv, concatenated_kv) for a, b in zip(pair_a, pair_b))
+    assert _same(grown, concatenated) and _same(grown_kv, concatenated_kv)
     assert grown_kv[0][0].shape[2] == CONTEXT + 3 + 5 - 3 + 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_layer_stack_runs_all_layers_in_one_call_and_matches_the_layer_by_layer_path(arch, monkeypatch):
+    # in the exact mode a base model's lean layers run as one compiled call (stack_run) once the cache has
+    # buffers; logits, cache and the outputs recorded for a DSpark draft (a forward hook on layer 0)
+    # must be bit-identical to the layer-by-layer lean path, which must really be another path
+    target = _target(arch)
+    gen = torch.Generator().manual_seed(6)
+    prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 12), generator=gen)
+    real, calls = kernels._backend(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def stack_run(self, *args):
+            calls.append(args[6])  # the tokens per sequence of that forward
+            return real.stack_run(*args)
+
+    monkeypatch.setattr(kernels, "_BACKEND", Counting())
+    with use_kernels(target, mode="exact"):
+        assert kernels.is_lean_model(target.model)
+    assert not kernels.is_lean_model(target.model) and kernels._LEAN_STACK not in target.model.__dict__
+    stacked = _decode_sequence(target, prompt, new, hooked=(0,))
+    assert calls == [1, 1, 1, 5, 4]  # every forward after the prefill (which fills the cache) was one call
+    calls.clear()
+    monkeypatch.setattr(kernels, "_run_stack", lambda *args: None)
+    layered = _decode_sequence(target, prompt, new, hooked=(0,))
+    assert calls == []
+    assert all(r is not None for r in stacked[3])
+    assert _same(stacked[0], layered[0]) and _same(stacked[1], layered[1]) and _same(stacked[3], layered[3])
+
+
+def test_the_layer_stack_leaves_a_forward_with_other_hooks_to_the_layers():
+    # a hook that may read inputs or change outputs must run as a module hook: the stack steps aside
+    target = _target("llama")
+    seen = []
+    handle = target.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(args[0].shape))
+    try:
+        with use_kernels(target, mode="exact"), torch.no_grad():
+            cache = _prefilled(target, torch.tensor([[1, 2, 3, 4]]))
+            target(torch.tensor([[5, 6]]), cache=cache, use_cache=True)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([1, 4, 128]), torch.Size([1, 2, 128])]
 
 
 def test_the_drafts_layers_run_the_compiled_layer_calls_and_match_their_pytorch_path():

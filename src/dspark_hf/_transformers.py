@@ -82,6 +82,7 @@ class LayerRecorder:
         def hook(module, inputs, output):
             self.outputs[index] = output[0] if isinstance(output, tuple) else output
 
+        hook._dspark_output_only = True  # reads the output only: the exact mode's layer stack may call it directly
         return hook
 
     def features(self):

@@ -25,6 +25,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -509,4 +512,119 @@ torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch:
   run_linears(s.data_ptr<float>(), M, I,
               {LinearJob{wd.data_ptr<float>(), bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}});
   return x2;
+}
+
+// ------------------------------------------------------------------------------------------- the layer stack
+// A model's lean decoder layers as one call: each layer's attn_in, its keys and values written into the KV
+// buffers the caller provides (position `past` onwards), then attn_out over the buffers' first past + L
+// positions. The same calls in the same order as calling attn_in / attn_out layer by layer from Python, so the
+// results are bit-identical; what goes is the Python between them. A stack's weights are registered once
+// (stack_add_layer) and held by reference, so in-place updates of the parameters are seen.
+namespace {
+
+struct StackLayer {
+  torch::Tensor ln_in;
+  double eps_in;
+  torch::Tensor wq;
+  c10::optional<torch::Tensor> bq;
+  torch::Tensor wk;
+  c10::optional<torch::Tensor> bk;
+  torch::Tensor wv;
+  c10::optional<torch::Tensor> bv;
+  c10::optional<torch::Tensor> qn_w;
+  c10::optional<torch::Tensor> kn_w;
+  double q_eps, k_eps;
+  int64_t hq, hkv;
+  double scale;
+  torch::Tensor wo;
+  c10::optional<torch::Tensor> bo;
+  torch::Tensor ln_post;
+  double eps_post;
+  torch::Tensor wg;
+  c10::optional<torch::Tensor> bg;
+  torch::Tensor wu;
+  c10::optional<torch::Tensor> bu;
+  torch::Tensor wd;
+  c10::optional<torch::Tensor> bd;
+};
+
+using Stack = std::vector<StackLayer>;
+std::mutex stacks_mutex;
+std::unordered_map<int64_t, std::shared_ptr<Stack>> stacks;
+int64_t next_stack = 1;
+
+std::shared_ptr<Stack> find_stack(int64_t handle) {
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  auto it = stacks.find(handle);
+  TORCH_CHECK(it != stacks.end(), "exact stack: unknown handle ", handle);
+  return it->second;
+}
+
+}  // namespace
+
+// Appends a layer to stack `handle` (0: a new stack); returns the stack's handle. The arguments are attn_in's
+// weights and constants, the head counts, then attn_out's.
+int64_t stack_add_layer(int64_t handle, torch::Tensor ln_in, double eps_in, torch::Tensor wq,
+                        c10::optional<torch::Tensor> bq, torch::Tensor wk, c10::optional<torch::Tensor> bk,
+                        torch::Tensor wv, c10::optional<torch::Tensor> bv, c10::optional<torch::Tensor> qn_w,
+                        c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps, int64_t hq, int64_t hkv,
+                        double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_post,
+                        double eps_post, torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                        c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd) {
+  StackLayer layer{ln_in, eps_in, wq, bq, wk, bk, wv, bv, qn_w, kn_w, q_eps, k_eps, hq, hkv,
+                   scale, wo, bo, ln_post, eps_post, wg, bg, wu, bu, wd, bd};
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  if (handle == 0) {
+    handle = next_stack++;
+    stacks[handle] = std::make_shared<Stack>();
+  }
+  auto it = stacks.find(handle);
+  TORCH_CHECK(it != stacks.end(), "exact stack: unknown handle ", handle);
+  it->second->push_back(std::move(layer));
+  return handle;
+}
+
+void stack_free(int64_t handle) {
+  std::lock_guard<std::mutex> lock(stacks_mutex);
+  stacks.erase(handle);
+}
+
+// Runs every layer of stack `handle` on x [B * L, W]. With KV buffers (one keys and one values buffer
+// [B, Hkv, capacity, D] per layer, room for past + L positions) each layer appends its keys and values at
+// `past` and attends over the first past + L; without them (empty lists) over its own keys and values only.
+// Returns [output [B, L, W], keys views..., values views..., outputs of the layers in `record` ([B, L, W])].
+std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor mask, int64_t batch, int64_t length,
+                                     std::vector<torch::Tensor> kbufs, std::vector<torch::Tensor> vbufs,
+                                     int64_t past, std::vector<int64_t> record) {
+  const std::shared_ptr<Stack> stack = find_stack(handle);
+  const int64_t n = static_cast<int64_t>(stack->size());
+  const bool cached = !kbufs.empty();
+  TORCH_CHECK(!cached || (static_cast<int64_t>(kbufs.size()) == n && static_cast<int64_t>(vbufs.size()) == n),
+              "exact stack: one keys and one values buffer per layer");
+  const int64_t W = x.size(1);
+  std::vector<torch::Tensor> out(1 + (cached ? 2 * n : 0));
+  for (int64_t i = 0; i < n; ++i) {
+    const StackLayer& L = (*stack)[i];
+    auto qkv = attn_in(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps, L.k_eps,
+                       cos, sin, batch, length, L.hq, L.hkv);
+    torch::Tensor k = qkv[1], v = qkv[2];
+    if (cached) {
+      TORCH_CHECK(kbufs[i].size(2) >= past + length && vbufs[i].size(2) >= past + length,
+                  "exact stack: no room in the KV buffers");
+      kbufs[i].narrow(2, past, length).copy_(k);
+      vbufs[i].narrow(2, past, length).copy_(v);
+      k = kbufs[i].narrow(2, 0, past + length);
+      v = vbufs[i].narrow(2, 0, past + length);
+      out[1 + i] = k;
+      out[1 + n + i] = v;
+    }
+    x = attn_out(x, qkv[0], k, v, mask, L.scale, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu, L.wd,
+                 L.bd);
+    for (int64_t r : record) {
+      if (r == i) out.push_back(x.view({batch, length, W}));
+    }
+  }
+  out[0] = x.view({batch, length, W});
+  return out;
 }

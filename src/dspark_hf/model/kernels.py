@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -172,7 +173,18 @@ def _build():
     return cpp_extension.load_inline(
         name=name,
         cpp_sources=[source],
-        functions=["linear", "attention", "rms_norm", "rope", "silu_mul", "attn_in", "attn_out"],
+        functions=[
+            "linear",
+            "attention",
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "attn_in",
+            "attn_out",
+            "stack_add_layer",
+            "stack_free",
+            "stack_run",
+        ],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -473,19 +485,27 @@ def _lean_layer_forward(
             **kwargs,
         )
     _check_attention_options(attn, 0.0, kwargs)
-    norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
+    mask = _bool_mask(attention_mask)
     cos, sin = position_embeddings
+    return _lean_layer_run(self, backend, hidden_states, _NO_MASK if mask is None else mask, cache, cos, sin, kwargs)
+
+
+def _lean_layer_run(self, backend, hidden_states, mask, cache, cos, sin, kwargs) -> torch.Tensor:
+    """The two compiled calls of a lean layer around its cache update, once [`_lean_layer_forward`] (or
+    [`_lean_model_forward`], for all layers at once) has checked that they apply; `mask` is a boolean mask or
+    `_NO_MASK` (causal over the cache)."""
+    norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
+    batch, length, width = hidden_states.shape
     x = hidden_states.reshape(batch * length, width)
     # q [B, Hq, L, D], k and v [B, Hkv, L, D]
     q, k, v = backend.attn_in(x, *norm_etc, cos, sin, batch, length, *head_counts)
     if cache is not None:
-        k, v = _append_kv(cache, attn.layer_idx, k, v, kwargs)
-    mask = _bool_mask(attention_mask)
-    x = backend.attn_out(x, q, k, v, _NO_MASK if mask is None else mask, *post_attention)
+        k, v = _append_kv(cache, self.self_attn.layer_idx, k, v, kwargs)
+    x = backend.attn_out(x, q, k, v, mask, *post_attention)
     return x.view(batch, length, width)
 
 
-_KV_BUFFERS = "_dspark_kv_buffers"  # on a transformers DynamicLayer: (keys, values) with room to grow
+_KV_BUFFERS = "_dspark_kv_buffers"  # on a transformers DynamicLayer: keys and values with room to grow, + views
 
 
 def _append_kv(cache, index: int, keys: torch.Tensor, values: torch.Tensor, kwargs: dict):
@@ -499,43 +519,61 @@ def _append_kv(cache, index: int, keys: torch.Tensor, values: torch.Tensor, kwar
     sliding windows, offloading), or a layer whose tensors were replaced since (a prefill on the stock path,
     a beam reorder), goes through the cache's own `update` or starts a fresh buffer.
     """
+    batch, heads, new, dim = keys.shape
+    room = _kv_room(cache, index, batch, heads, new, dim, keys.dtype) if values.shape == keys.shape else None
+    if room is None:
+        return cache.update(keys, values, index, kwargs=kwargs)
+    layer, keys_buffer, values_buffer, n = room
+    keys_buffer.narrow(2, n, new).copy_(keys)
+    values_buffer.narrow(2, n, new).copy_(values)
+    _hold_kv(layer, keys_buffer, values_buffer, keys_buffer.narrow(2, 0, n + new), values_buffer.narrow(2, 0, n + new))
+    return layer.keys, layer.values
+
+
+def _kv_room(cache, index: int, batch: int, heads: int, new: int, dim: int, dtype: torch.dtype):
+    """`(layer, keys buffer, values buffer, n)` for appending `new` positions to layer `index` of `cache` at
+    position `n` (its current length) in place ([`_append_kv`]), or `None` when the layer must be updated by
+    the cache itself (another cache or layer type, a layer not filled yet, other shapes)."""
     layers = getattr(cache, "layers", None)
     if layers is None or index >= len(layers) or getattr(cache, "offloading", False):
-        return cache.update(keys, values, index, kwargs=kwargs)
+        return None
     layer = layers[index]
     if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
-        return cache.update(keys, values, index, kwargs=kwargs)
+        return None
     held_k, held_v = layer.keys, layer.values
-    n, new = held_k.shape[2], keys.shape[2]
-    buffers = layer.__dict__.get(_KV_BUFFERS)
-    fits = (
-        buffers is not None
-        and held_k.data_ptr() == buffers[0].data_ptr()
-        and held_v.data_ptr() == buffers[1].data_ptr()
-        and held_k.stride() == buffers[0].stride()
-        and held_v.stride() == buffers[1].stride()
-        and n + new <= buffers[0].shape[2]
-        and buffers[0].shape[:2] == keys.shape[:2]
-        and buffers[0].shape[3] == keys.shape[3]
-        and buffers[0].dtype == keys.dtype
-    )
-    if not fits:
-        if n and (held_k.shape[:2] != keys.shape[:2] or held_k.dtype != keys.dtype):
-            return cache.update(keys, values, index, kwargs=kwargs)
-        capacity = max(256, 2 * (n + new))
-        batch, heads, _, dim = keys.shape
-        buffers = (
-            keys.new_empty(batch, heads, capacity, dim),
-            values.new_empty(batch, heads, capacity, values.shape[3]),
+    n = held_k.shape[2]
+    buffers = layer.__dict__.get(_KV_BUFFERS)  # (keys buffer, values buffer, keys view, values view) or None
+    if buffers is not None and held_k is buffers[2] and held_v is buffers[3]:
+        # the very views set last time (a crop or a reorder assigns new tensors): only room and shape to check
+        fits = n + new <= buffers[0].shape[2] and buffers[0].shape[0] == batch
+    else:
+        fits = (
+            buffers is not None
+            and held_k.data_ptr() == buffers[0].data_ptr()
+            and held_v.data_ptr() == buffers[1].data_ptr()
+            and held_k.stride() == buffers[0].stride()
+            and held_v.stride() == buffers[1].stride()
+            and n + new <= buffers[0].shape[2]
+            and buffers[0].shape[0] == batch
         )
-        if n:
-            buffers[0][:, :, :n] = held_k
-            buffers[1][:, :, :n] = held_v
-        layer.__dict__[_KV_BUFFERS] = buffers
-    buffers[0][:, :, n : n + new] = keys
-    buffers[1][:, :, n : n + new] = values
-    layer.keys, layer.values = buffers[0][:, :, : n + new], buffers[1][:, :, : n + new]
-    return layer.keys, layer.values
+    fits = fits and buffers[0].shape[1] == heads and buffers[0].shape[3] == dim and buffers[0].dtype == dtype
+    if fits:
+        return layer, buffers[0], buffers[1], n
+    if n and (held_k.shape != (batch, heads, n, dim) or held_v.shape != held_k.shape or held_k.dtype != dtype):
+        return None
+    capacity = max(256, 2 * (n + new))
+    keys_buffer = held_k.new_empty(batch, heads, capacity, dim, dtype=dtype)
+    values_buffer = held_k.new_empty(batch, heads, capacity, dim, dtype=dtype)
+    if n:
+        keys_buffer.narrow(2, 0, n).copy_(held_k)
+        values_buffer.narrow(2, 0, n).copy_(held_v)
+    return layer, keys_buffer, values_buffer, n
+
+
+def _hold_kv(layer, keys_buffer, values_buffer, keys, values) -> None:
+    """Make `keys`/`values` (views of the buffers' first positions) the layer's cache."""
+    layer.keys, layer.values = keys, values
+    layer.__dict__[_KV_BUFFERS] = (keys_buffer, values_buffer, keys, values)
 
 
 def _epsilon(norm: nn.Module) -> float:
@@ -637,6 +675,234 @@ def _lean_draft_layer_forward(
     return out.view(batch, length, width)
 
 
+# ---------------------------------------------------------------------------------------------- model forward
+#: Base models whose forward [`_lean_model_forward`] replaces in the exact mode once all their layers are lean.
+LEAN_MODELS = ("LlamaModel", "Qwen2Model", "Qwen3Model")
+_LEAN_MODEL_PARAMETERS = ("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
+
+
+def _active_output_capture():
+    """transformers' output collector of the forward running now (`None` outside any output capture), or the
+    string `"unknown"` on a release that keeps it elsewhere (then the model-level lean path is not used)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return "unknown"
+    return _active_collector.get()
+
+
+def _lean_model_eligible(model: nn.Module) -> bool:
+    """A transformers Llama/Qwen2/Qwen3 base model whose forward is the one [`_lean_model_forward`] reproduces
+    (its parameters, its output's `cache` field, full attention in every layer) and all of whose layers are lean."""
+    if type(model).__name__ not in LEAN_MODELS or "forward" in model.__dict__:
+        return False
+    import inspect
+
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    try:
+        parameters = tuple(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
+    except (TypeError, ValueError):
+        return False
+    layers = getattr(model, "layers", None)
+    config = model.config
+    return (
+        parameters[: len(_LEAN_MODEL_PARAMETERS)] == _LEAN_MODEL_PARAMETERS
+        and "cache" in BaseModelOutputWithPast.__dataclass_fields__
+        and _active_output_capture() != "unknown"
+        and isinstance(layers, nn.ModuleList)
+        and len(layers) >= config.num_hidden_layers > 0
+        and all(is_lean(layer) for layer in layers[: config.num_hidden_layers])
+        and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"]))
+        and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
+    )
+
+
+def _lean_model_forward(
+    self: nn.Module,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    cache=None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs,
+):
+    """A Llama/Qwen2/Qwen3 base model's forward in the exact mode: transformers' own steps (embedding, cache,
+    positions, causal mask, rotary embedding, the decoder layers, final norm) with each lean layer's two
+    compiled calls made directly, instead of through the layer's module call, its argument checks and
+    transformers' output-capturing, config-defaults and keyword-deprecation wrappers. Each layer runs the very
+    same calls as its own lean forward, so the output is bit-identical; what goes is ~1.5 ms of Python per
+    forward of SmolLM2-135M (docs/cpu-packing.md). Layers with hooks (the DSpark generate() path records some
+    layers' outputs with forward hooks) are called as modules, so their hooks run as before.
+
+    Any call it does not cover runs the model's own forward: hidden states or attentions asked for (here or in
+    the config), `return_dict=False`, other keyword arguments, `inputs_embeds`, sequences longer than
+    `EXACT_MAX_ROWS`, gradients, other dtypes or devices.
+    """
+    config = self.config
+    backend = _backend()
+    if (
+        kwargs.keys() - {"output_hidden_states", "output_attentions", "return_dict"}
+        or kwargs.get("output_hidden_states")
+        or kwargs.get("output_attentions")
+        or kwargs.get("return_dict", True) is False
+        or input_ids is None
+        or inputs_embeds is not None
+        or input_ids.dim() != 2
+        or input_ids.shape[1] > EXACT_MAX_ROWS
+        or input_ids.device.type != "cpu"
+        or backend is None
+        or torch.is_grad_enabled()
+        or self.embed_tokens.weight.dtype != torch.float32
+        or getattr(config, "output_hidden_states", False)
+        or getattr(config, "output_attentions", False)
+        or getattr(config, "return_dict", True) is False
+        or getattr(config, "is_causal", None) is not None
+        or config._attn_implementation != EXACT_ATTENTION
+        or (isinstance(attention_mask, dict) and type(self).__name__ == "LlamaModel")
+        or _active_output_capture() is not None
+    ):
+        return type(self).forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if use_cache is None:
+        use_cache = getattr(config, "use_cache", None)
+    hidden_states = self.embed_tokens(input_ids)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+    if isinstance(attention_mask, dict):  # prepared by the caller (Qwen2/Qwen3; every layer is full attention)
+        causal_mask = attention_mask["full_attention"]
+    else:
+        causal_mask = create_causal_mask(
+            config=config,
+            inputs_embeds=hidden_states,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+    position_embeddings = self.rotary_emb(hidden_states, position_ids)
+    cos, sin = position_embeddings
+    mask = _bool_mask(causal_mask)
+    mask = _NO_MASK if mask is None else mask
+    direct = not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    stack = self.__dict__.get(_LEAN_STACK) if direct else None
+    out = None if stack is None else _run_stack(stack, backend, hidden_states, mask, cache, cos, sin)
+    for layer in itertools.islice(self.layers, config.num_hidden_layers) if out is None else ():
+        if (
+            direct
+            and not layer._forward_hooks
+            and not layer._forward_pre_hooks
+            and getattr(layer.__dict__.get("forward"), "__func__", None) is _lean_layer_forward
+        ):
+            hidden_states = _lean_layer_run(layer, backend, hidden_states, mask, cache, cos, sin, kwargs)
+        else:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
+    hidden_states = self.norm(hidden_states if out is None else out)
+    return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+#: An attribute a forward hook may carry to say that it only reads the layer's output (and returns `None`):
+#: [`_run_stack`] then calls it with the output and no inputs, instead of giving up the one-call stack.
+OUTPUT_ONLY_HOOK = "_dspark_output_only"
+_LEAN_STACK = "_dspark_lean_stack"  # on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)])
+
+
+def _register_stack(backend, model: nn.Module) -> None:
+    """Register a lean base model's layers with the compiled layer stack ([`_run_stack`])."""
+    handle, entries = 0, []
+    for layer in itertools.islice(model.layers, model.config.num_hidden_layers):
+        norm_etc, head_counts, post_attention = layer.__dict__[_LEAN_ARGS]
+        handle = backend.stack_add_layer(handle, *norm_etc, *head_counts, *post_attention)
+        entries.append((layer, layer.self_attn.layer_idx, head_counts[1], layer.self_attn.head_dim))
+    model.__dict__[_LEAN_STACK] = (handle, entries)
+
+
+def _release_stack(model: nn.Module) -> None:
+    stack = model.__dict__.pop(_LEAN_STACK, None)
+    backend = _backend()
+    if stack is not None and backend is not None:
+        backend.stack_free(stack[0])
+
+
+def _run_stack(stack, backend, hidden_states, mask, cache, cos, sin) -> torch.Tensor | None:
+    """All lean layers of a base model in one compiled call (`stack_run`: each layer's `attn_in`, its keys and
+    values written into the cache's buffers, `attn_out`), the same calls as [`_lean_layer_run`] layer by layer,
+    so the output and the cache are bit-identical. Forward hooks that only read a layer's output (DSpark's
+    feature recording, marked [`OUTPUT_ONLY_HOOK`]) get that output; transformers' output-capturing hooks are
+    inactive here (nothing is being captured). Returns `None` (run layer by layer instead) for any other hook,
+    a layer not on its lean forward, or a cache that cannot take the new positions in place."""
+    handle, entries = stack
+    record, hooks = [], []
+    for i, (layer, _, _, _) in enumerate(entries):
+        if (
+            layer._forward_pre_hooks
+            or getattr(layer.__dict__.get("forward"), "__func__", None) is not _lean_layer_forward
+        ):
+            return None
+        for hook in layer._forward_hooks.values():
+            if getattr(hook, OUTPUT_ONLY_HOOK, False):
+                record.append(i)
+                hooks.append((hook, layer))
+            elif not _output_capturing(hook):
+                return None
+    batch, length, width = hidden_states.shape
+    rooms, past = [], 0
+    if cache is not None:
+        for _, index, heads, dim in entries:
+            room = _kv_room(cache, index, batch, heads, length, dim, hidden_states.dtype)
+            if room is None or (rooms and room[3] != past):
+                return None
+            rooms.append(room)
+            past = room[3]
+    out = backend.stack_run(
+        handle,
+        hidden_states.reshape(batch * length, width),
+        cos,
+        sin,
+        mask,
+        batch,
+        length,
+        [room[1] for room in rooms],
+        [room[2] for room in rooms],
+        past,
+        record,
+    )
+    n = len(rooms)
+    for i, (layer, keys_buffer, values_buffer, _) in enumerate(rooms):
+        _hold_kv(layer, keys_buffer, values_buffer, out[1 + i], out[1 + n + i])
+    for (hook, layer), output in zip(hooks, out[1 + 2 * n :]):
+        hook(layer, (), output)
+    return out[0]
+
+
+def is_lean_model(model: nn.Module) -> bool:
+    """Whether a base model (e.g. `LlamaModel`) currently runs the exact mode's [`_lean_model_forward`]."""
+    return getattr(model.__dict__.get("forward"), "__func__", None) is _lean_model_forward
+
+
 def is_lean(layer: nn.Module) -> bool:
     """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`], or for a DSpark
     draft's layer [`_lean_draft_layer_forward`])."""
@@ -690,6 +956,11 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
                 layer.forward = types.MethodType(_lean_layer_forward, layer)
                 changed.append(layer)
+            # then the base model itself (all of its layers lean): the layers' calls made directly
+            for base in [m for m in model.modules() if _lean_model_eligible(m)] if lean else []:
+                base.forward = types.MethodType(_lean_model_forward, base)
+                changed.append(base)
+                _register_stack(_backend(), base)
             if _backend() is not None:  # a DSpark draft's own layers: the same compiled calls
                 for layer in [m for m in model.modules() if _lean_draft_eligible(m)]:
                     layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
@@ -698,7 +969,9 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
         yield
     finally:
         for module in changed:
-            if is_exact(module) or is_lean(module):
+            if is_lean_model(module):
+                _release_stack(module)
+            if is_exact(module) or is_lean(module) or is_lean_model(module):
                 del module.forward
             module.__dict__.pop(_LEAN_ARGS, None)
         for module in flagged:
