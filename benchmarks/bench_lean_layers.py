@@ -1,9 +1,10 @@
-"""The exact mode's lean decoder layers against the same exact kernels called through transformers' layers.
+"""The exact mode's lean paths against the same exact kernels called through transformers' layers.
 
 On the real default target (SmolLM2-135M-Instruct, fp32, offline), one forward over 1, 4 and 8 new tokens on a
-KV cache of a chat prompt: the exact mode with its lean decoder-layer path (`dspark_hf.model.kernels`, the
-default) and the exact mode with the lean path switched off (transformers' own layer, attention and MLP
-modules, whose linears and attention still run on the exact kernels), then stock kernels for reference. The
+KV cache of a chat prompt: the exact mode as it runs by default (the base model's lean forward: all layers in
+one compiled call, `dspark_hf.model.kernels`), the exact mode with lean layers called one by one (the base
+model's own forward), the exact mode with the lean path switched off (transformers' own layer, attention and
+MLP modules, whose linears and attention still run on the exact kernels), then stock kernels for reference. The
 configurations and row counts are interleaved in every repeat; each figure is the median over repeats of the
 median forward time within a repeat. (Batch invariance and agreement with the stock layers
 are checked by tests/test_kernels.py, not here.)
@@ -27,18 +28,21 @@ from dspark_hf.model import kernels
 
 PROMPT = "Why is the sky blue? Explain in detail with physics."
 ROWS = (1, 4, 8)
-CONFIGS = ("exact (lean layers)", "exact (transformers layers)", "stock")
+CONFIGS = ("exact (layer stack)", "exact (lean layers)", "exact (transformers layers)", "stock")
 
 
 def forward_ms(target, ids, rows: int, config: str, steps: int) -> float:
-    real = kernels._lean_eligible
+    real, real_model = kernels._lean_eligible, kernels._lean_model_eligible
     if config == "exact (transformers layers)":
         kernels._lean_eligible = lambda module: False
+    if config != "exact (layer stack)":
+        kernels._lean_model_eligible = lambda module: False
     mode = "stock" if config == "stock" else "exact"
     try:
         with torch.inference_mode(), kernels.use_kernels(target, mode=mode):
             lean = any(kernels.is_lean(layer) for layer in target.model.layers)
-            assert lean == (config == "exact (lean layers)"), (config, lean)
+            assert lean == config.startswith(("exact (lean", "exact (layer")), (config, lean)
+            assert kernels.is_lean_model(target.model) == (config == "exact (layer stack)")
             cache = DynamicCache(config=target.config)
             out = target(input_ids=ids, cache=cache, use_cache=True)
             new = out.logits[:, -1:].argmax(-1).repeat(1, rows)
@@ -51,7 +55,7 @@ def forward_ms(target, ids, rows: int, config: str, steps: int) -> float:
                 if i >= 2:  # two warm-up forwards
                     times.append(elapsed)
     finally:
-        kernels._lean_eligible = real
+        kernels._lean_eligible, kernels._lean_model_eligible = real, real_model
     return statistics.median(times) * 1e3
 
 
@@ -71,11 +75,12 @@ def main() -> None:
             for config in CONFIGS:
                 runs[config][rows].append(forward_ms(target, ids, rows, config, args.steps))
     table = {c: {r: statistics.median(v) for r, v in per.items()} for c, per in runs.items()}
-    print(f"{'rows':>4}  " + "  ".join(f"{c:>28}" for c in CONFIGS) + "  lean speedup")
+    print(f"{'rows':>4}  " + "  ".join(f"{c:>28}" for c in CONFIGS) + "  stack / lean / transformers layers")
     for rows in ROWS:
         cells = "  ".join(f"{table[c][rows]:>25.1f} ms" for c in CONFIGS)
-        ratio = table["exact (transformers layers)"][rows] / table["exact (lean layers)"][rows]
-        print(f"{rows:>4}  {cells}  {ratio:.2f}x")
+        layers = table["exact (transformers layers)"][rows]
+        ratios = [layers / table[c][rows] for c in CONFIGS[:2]]
+        print(f"{rows:>4}  {cells}  " + " / ".join(f"{r:.2f}x" for r in ratios) + " / 1.00x")
     if args.out:
         write_report(args.out, args, prompt=PROMPT, median_ms=table, runs_ms=runs)
 
