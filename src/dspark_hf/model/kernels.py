@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import itertools
 import os
 import sys
@@ -696,8 +697,6 @@ def _lean_model_eligible(model: nn.Module) -> bool:
     (its parameters, its output's `cache` field, full attention in every layer) and all of whose layers are lean."""
     if type(model).__name__ not in LEAN_MODELS or "forward" in model.__dict__:
         return False
-    import inspect
-
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     try:
@@ -729,12 +728,13 @@ def _lean_model_forward(
     **kwargs,
 ):
     """A Llama/Qwen2/Qwen3 base model's forward in the exact mode: transformers' own steps (embedding, cache,
-    positions, causal mask, rotary embedding, the decoder layers, final norm) with each lean layer's two
-    compiled calls made directly, instead of through the layer's module call, its argument checks and
-    transformers' output-capturing, config-defaults and keyword-deprecation wrappers. Each layer runs the very
-    same calls as its own lean forward, so the output is bit-identical; what goes is ~1.5 ms of Python per
-    forward of SmolLM2-135M (docs/cpu-packing.md). Layers with hooks (the DSpark generate() path records some
-    layers' outputs with forward hooks) are called as modules, so their hooks run as before.
+    positions, causal mask, rotary embedding, the decoder layers, final norm), with the layers run as one
+    compiled call ([`_run_stack`]) once the cache has buffers to write into, else each lean layer's two calls
+    made directly; either way without the layers' module calls and argument checks and without transformers'
+    output-capturing, config-defaults and keyword-deprecation wrappers. The same kernel calls as the layers'
+    own lean forwards, so the output is bit-identical; what goes is ~2 ms of Python per one-token forward of
+    SmolLM2-135M (docs/cpu-packing.md). A layer with a hook the stack cannot serve is called as a module (the
+    stack then steps aside for the whole forward), so every hook runs as before.
 
     Any call it does not cover runs the model's own forward: hidden states or attentions asked for (here or in
     the config), `return_dict=False`, other keyword arguments, `inputs_embeds`, sequences longer than
