@@ -70,6 +70,11 @@ def decoder_layers(model) -> Any:
     return None
 
 
+#: An attribute a forward hook may carry to say that it only reads the layer's output (and returns `None`); the
+#: exact mode's one-call layer stack (`dspark_hf.model.kernels`) then hands it the output instead of stepping aside.
+OUTPUT_ONLY_HOOK = "_dspark_output_only"
+
+
 class LayerRecorder:
     """Forward hooks on decoder layers `layer_ids` that keep each layer's latest output (see [`recording_layers`])."""
 
@@ -82,7 +87,7 @@ class LayerRecorder:
         def hook(module, inputs, output):
             self.outputs[index] = output[0] if isinstance(output, tuple) else output
 
-        hook._dspark_output_only = True  # reads the output only: the exact mode's layer stack may call it directly
+        setattr(hook, OUTPUT_ONLY_HOOK, True)  # reads the output only: the exact mode's layer stack may call it
         return hook
 
     def features(self):

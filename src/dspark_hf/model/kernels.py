@@ -45,6 +45,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from .._paths import cache_dir
+from .._transformers import OUTPUT_ONLY_HOOK
 from .cpu_packing import cpu_packing_enabled, is_packed, packed_linears, packing_available
 
 KERNEL_MODES = ("stock", "packed", "exact")
@@ -307,9 +308,14 @@ def _exact_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return exact_linear(x, self.weight, self.bias)
 
 
+def _replaced_forward(module: nn.Module):
+    """The function behind an instance-bound replacement of `module.forward` (one of this module's), or `None`."""
+    return getattr(module.__dict__.get("forward"), "__func__", None)
+
+
 def is_exact(module: nn.Module) -> bool:
     """Whether `module` (an `nn.Linear`) currently runs on the exact kernel."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _exact_forward
+    return _replaced_forward(module) is _exact_forward
 
 
 def _check_attention_options(module: nn.Module, dropout: float, kwargs: dict) -> None:
@@ -808,7 +814,7 @@ def _lean_model_forward(
             direct
             and not layer._forward_hooks
             and not layer._forward_pre_hooks
-            and getattr(layer.__dict__.get("forward"), "__func__", None) is _lean_layer_forward
+            and _replaced_forward(layer) is _lean_layer_forward
         ):
             hidden_states = _lean_layer_run(layer, backend, hidden_states, mask, cache, cos, sin, kwargs)
         else:
@@ -824,9 +830,6 @@ def _lean_model_forward(
     return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
-#: An attribute a forward hook may carry to say that it only reads the layer's output (and returns `None`):
-#: [`_run_stack`] then calls it with the output and no inputs, instead of giving up the one-call stack.
-OUTPUT_ONLY_HOOK = "_dspark_output_only"
 _LEAN_STACK = "_dspark_lean_stack"  # on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)])
 
 
@@ -857,10 +860,7 @@ def _run_stack(stack, backend, hidden_states, mask, cache, cos, sin) -> torch.Te
     handle, entries = stack
     record, hooks = [], []
     for i, (layer, _, _, _) in enumerate(entries):
-        if (
-            layer._forward_pre_hooks
-            or getattr(layer.__dict__.get("forward"), "__func__", None) is not _lean_layer_forward
-        ):
+        if layer._forward_pre_hooks or _replaced_forward(layer) is not _lean_layer_forward:
             return None
         for hook in layer._forward_hooks.values():
             if getattr(hook, OUTPUT_ONLY_HOOK, False):
@@ -900,13 +900,13 @@ def _run_stack(stack, backend, hidden_states, mask, cache, cos, sin) -> torch.Te
 
 def is_lean_model(model: nn.Module) -> bool:
     """Whether a base model (e.g. `LlamaModel`) currently runs the exact mode's [`_lean_model_forward`]."""
-    return getattr(model.__dict__.get("forward"), "__func__", None) is _lean_model_forward
+    return _replaced_forward(model) is _lean_model_forward
 
 
 def is_lean(layer: nn.Module) -> bool:
     """Whether a decoder layer currently runs the exact mode's lean path ([`_lean_layer_forward`], or for a DSpark
     draft's layer [`_lean_draft_layer_forward`])."""
-    return getattr(layer.__dict__.get("forward"), "__func__", None) in (_lean_layer_forward, _lean_draft_layer_forward)
+    return _replaced_forward(layer) in (_lean_layer_forward, _lean_draft_layer_forward)
 
 
 # ---------------------------------------------------------------------------------------------- modes
