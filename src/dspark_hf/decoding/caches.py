@@ -59,6 +59,32 @@ class KVStore:
             self._values[i][:, self.length : needed] = v
         self.length = needed
 
+    def reserve(
+        self,
+        needed: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        limit: int,
+    ) -> None:
+        """Make every layer's buffers hold at least `needed` positions (allocating them if there are none yet),
+        without writing anything; for callers that write the buffers in place (`dspark_hf.decoding.compiled`).
+        Capacity doubles as in [`append`], capped at `limit` (which may exceed `max_tokens`: positions past the
+        committed length are scratch space)."""
+        current = self._keys[0].shape[1] if self._keys else 0
+        if needed <= current:
+            return
+        if needed > limit:
+            raise RuntimeError(f"KV store overflow: {needed} positions for a limit of {limit}.")
+        capacity = min(limit, max(needed, 2 * current, 16))
+        like = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        olds = self._keys if self._keys else [None] * num_layers
+        self._keys = [self._grow(old, like, capacity) for old in olds]
+        olds = self._values if self._values else [None] * num_layers
+        self._values = [self._grow(old, like, capacity) for old in olds]
+
     def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
         buf = like.new_empty(like.shape[0], capacity, like.shape[2])
         if old is not None:

@@ -165,13 +165,14 @@ class DraftedBlock:
 
     Args:
         tokens (`torch.LongTensor` of shape `(R, γ)`): the drafted tokens.
-        logits (`torch.Tensor` of shape `(R, γ, V)`): the processed distributions they were drawn from (the
-            `q` of verification).
+        logits (`torch.Tensor` of shape `(R, γ, V)`, *optional*): the processed distributions they were drawn
+            from (the `q` of verification); `None` from the compiled greedy round (`dspark_hf.decoding.compiled`),
+            whose verification compares tokens only.
         confidence_logits (`torch.Tensor` of shape `(R, γ)`, *optional*): `None` without a confidence head.
     """
 
     tokens: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     confidence_logits: torch.Tensor | None
 
 

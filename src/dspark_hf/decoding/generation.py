@@ -36,6 +36,7 @@ from ..model.kernels import default_kernels, explicit_kernels, use_kernels
 from ..model.modeling import DSparkDraftModel
 from ..scheduling.policies import ScheduleContext, resolve_policy
 from .caches import KVStore
+from .compiled import CompiledRound
 from .draft_graphs import draft_step_graphs
 from .drafting import (
     BlockScores,
@@ -146,6 +147,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats(block_size=self.config.block_size, policy=repr(self.policy))
         draft.last_generation_stats = self.stats
         self.graphs = draft_step_graphs(draft, generation_config, logits_processor, self.do_sample, self.stats)
+        # on the exact CPU kernels, the round in three compiled calls (dspark_hf.decoding.compiled)
+        self.compiled = (
+            CompiledRound.create(draft, self.max_length)
+            if self.graphs is None and getattr(draft, "compiled_round", True)
+            else None
+        )
+        self.greedy = not self.do_sample and not logits_processor
         self._pending: RoundStats | None = None
         self._verify_start = 0.0
         self._features: list[torch.Tensor] = []  # committed target features the draft has not ingested yet
@@ -193,7 +201,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             t0 += self._ingest_pending()  # catching up on rounds that did not draft is not this round's cost
             anchors = input_ids[:, -1].to(self.draft.device)
             block, scores, t1 = self._draft(input_ids, anchors, planned)
-            tokens, logits = block.tokens[0], block.logits[0]
+            tokens = block.tokens[0]
             host = read_round(block, scores)
             length = verified_lengths(self.policy, self.schedule_context, host, [gamma], [self.eos_token_ids])[0]
             round_stats = make_round_stats(host, 0, length)
@@ -204,7 +212,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if length == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, tokens[None, :length].to(input_ids.device)], dim=-1)
-        return candidates, logits[None, :length].to(input_ids.device)
+        if block.logits is None:  # a greedy round: transformers compares tokens and never reads `q`
+            return candidates, None
+        return candidates, block.logits[:, :length].to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Record the round's outcome (transformers calls this after every verification)."""
@@ -266,7 +276,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         start = time.perf_counter()
         latest = self._features[-1].shape[0]
         feats = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
-        ingest(self.draft, [self.store], [feats])
+        if self.compiled is not None:
+            self.compiled.ingest(self.store, feats)
+        else:
+            ingest(self.draft, [self.store], [feats])
         self._features, self._features_pending = [], 0
         return (time.perf_counter() - start) * (1 - latest / feats.shape[0])
 
@@ -275,17 +288,29 @@ class DSparkCandidateGenerator(CandidateGenerator):
     ) -> tuple[DraftedBlock, BlockScores, float]:
         """Steps 2–4 of the round: the block, its scores, and when the backbone finished (`perf_counter`).
 
-        One graph replay when the graph path is on (the backbone's time then covers the launch only), else
-        [`draft_block`] and the sequential head eagerly, on the first `planned` positions only when the policy
-        fixed the length before drafting (the positions after it could never be verified).
+        One graph replay when the graph path is on (the backbone's time then covers the launch only); the
+        compiled round's calls on the exact CPU kernels (a greedy round without logits processors entirely, else
+        the block, then the sequential head eagerly); else [`draft_block`] and the sequential head eagerly. On
+        the first `planned` positions only when the policy fixed the length before drafting (the positions
+        after it could never be verified). A greedy compiled round returns no `q` (`block.logits` is `None`).
         """
         if self.graphs is not None:
             graphed = self.graphs.run([self.store], anchors, self.generator)
             if graphed is not None:
                 return (*graphed, time.perf_counter())
-        hidden, base_logits = draft_block(self.draft, [self.store], anchors, positions=planned)
-        t1 = time.perf_counter()
-        tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden[0], base_logits[0])
+        if self.compiled is not None:
+            anchor = int(anchors[0])
+            hidden, base_logits = self.compiled.block(self.store, anchor, planned)
+            t1 = time.perf_counter()
+            if self.greedy:
+                tokens, conf_logits = self.compiled.greedy(hidden, base_logits, anchor)
+                block = DraftedBlock(tokens[None], None, conf_logits[None] if conf_logits is not None else None)
+                return block, score_block(block, self.temperatures), t1
+        else:
+            hidden, base_logits = draft_block(self.draft, [self.store], anchors, positions=planned)
+            hidden, base_logits = hidden[0], base_logits[0]
+            t1 = time.perf_counter()
+        tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden, base_logits)
         block = DraftedBlock(tokens[None], logits[None], conf_logits[None] if conf_logits is not None else None)
         return block, score_block(block, self.temperatures), t1
 

@@ -186,6 +186,9 @@ def _build():
             "stack_add_layer",
             "stack_free",
             "stack_run",
+            "draft_ingest",
+            "draft_block_run",
+            "markov_greedy",
         ],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
@@ -316,6 +319,34 @@ def _replaced_forward(module: nn.Module):
 def is_exact(module: nn.Module) -> bool:
     """Whether `module` (an `nn.Linear`) currently runs on the exact kernel."""
     return _replaced_forward(module) is _exact_forward
+
+
+def _draft_norm_eligible(module: nn.Module) -> bool:
+    """A DSpark draft's own (Qwen3-style) RMSNorm with fp32 CPU weights and no hooks."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "RMSNorm"
+        and type(module).__module__ == "dspark_hf.model.layers"
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and _plain(module)
+    )
+
+
+def _exact_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A DSpark draft's RMSNorm on the compiled `rms_norm` (the one the lean layers and the compiled drafting round
+    use), so that the draft's PyTorch-level path and its compiled round compute the same values. Only the draft's
+    speed and its exact bits change: its proposals are verified either way."""
+    backend = _backend()
+    if (
+        backend is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+    ):
+        return type(self).forward(self, x)
+    return backend.rms_norm(x.reshape(-1, x.shape[-1]), self.weight.detach(), self.eps).view(x.shape)
 
 
 def _check_attention_options(module: nn.Module, dropout: float, kwargs: dict) -> None:
@@ -898,6 +929,11 @@ def _run_stack(stack, backend, hidden_states, mask, cache, cos, sin) -> torch.Te
     return out[0]
 
 
+def is_exact_norm(module: nn.Module) -> bool:
+    """Whether a DSpark draft's RMSNorm currently runs on the compiled `rms_norm` ([`exact_kernels`])."""
+    return _replaced_forward(module) is _exact_norm_forward
+
+
 def is_lean_model(model: nn.Module) -> bool:
     """Whether a base model (e.g. `LlamaModel`) currently runs the exact mode's [`_lean_model_forward`]."""
     return _replaced_forward(model) is _lean_model_forward
@@ -961,17 +997,20 @@ def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
                 base.forward = types.MethodType(_lean_model_forward, base)
                 changed.append(base)
                 _register_stack(_backend(), base)
-            if _backend() is not None:  # a DSpark draft's own layers: the same compiled calls
+            if _backend() is not None:  # a DSpark draft's own layers and norms: the same compiled calls
                 for layer in [m for m in model.modules() if _lean_draft_eligible(m)]:
                     layer.__dict__[_LEAN_ARGS] = _lean_arguments(layer)
                     layer.forward = types.MethodType(_lean_draft_layer_forward, layer)
                     changed.append(layer)
+                for norm in [m for m in model.modules() if _draft_norm_eligible(m)]:
+                    norm.forward = types.MethodType(_exact_norm_forward, norm)
+                    changed.append(norm)
         yield
     finally:
         for module in changed:
             if is_lean_model(module):
                 _release_stack(module)
-            if is_exact(module) or is_lean(module) or is_lean_model(module):
+            if is_exact(module) or is_lean(module) or is_lean_model(module) or is_exact_norm(module):
                 del module.forward
             module.__dict__.pop(_LEAN_ARGS, None)
         for module in flagged:

@@ -122,6 +122,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
         # greedy guessed path of the sequential head (dspark_hf.decoding.drafting): None = on for a CPU draft
         self.guessed_path: bool | None = None
+        # generate()'s drafting round in compiled calls on the exact CPU kernels (dspark_hf.decoding.compiled)
+        self.compiled_round: bool = True
         # CUDA-graph capture of the draft step in generate() (dspark_hf.decoding.draft_graphs): None = on for CUDA
         self.cuda_graphs: bool | None = None
         self._call_cuda_graphs = None  # set for the duration of one generate(dspark_cuda_graphs=...) call
