@@ -6,9 +6,12 @@ the same with the eager round, and plain `generate()`, all three on the exact ke
 (total time over the set's prompts) and the median time of a drafting round (the round's draft and sequential
 times, lookup copies and plain rounds excluded). Greedy output is checked identical three ways.
 
+`--pieces` first times each piece of one drafting round alone, eager and compiled, warm (repeated) and cold (a
+600 MB pass over memory before each call, as the target's forward leaves the caches): medians of 30 calls.
+
 Usage (from the repository root):
     python benchmarks/bench_compiled_round.py [--sets gsm8k humaneval mtbench sharegpt] [--limit 8]
-        [--max-new-tokens 96] [--temperature 0] [--threads 2] [--out FILE]
+        [--max-new-tokens 96] [--temperature 0] [--threads 2] [--pieces] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +30,57 @@ from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.evaluation.prompt_sets import load_prompt_set
 
 
+def time_pieces(target, draft) -> dict:
+    """Medians (ms) of each piece of a drafting round, eager and compiled, warm and cold (see the module docs)."""
+    from dspark_hf.decoding.caches import KVStore
+    from dspark_hf.decoding.compiled import CompiledRound
+    from dspark_hf.decoding.drafting import SequenceSampler, draft_block, ingest, sample_block
+    from dspark_hf.model.kernels import use_kernels
+
+    evict = torch.zeros(600_000_000 // 4)
+    width = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    out = {}
+    with use_kernels(target, draft, mode="exact"), torch.no_grad():
+        eager_store, compiled_store = KVStore(1024), KVStore(1024)
+        context = torch.randn(150, width)
+        ingest(draft, [eager_store], [context])
+        compiled = CompiledRound.create(draft, 1024)
+        compiled.ingest(compiled_store, context)
+        one = torch.randn(1, width)
+        anchors = torch.tensor([42])
+        hidden, base = draft_block(draft, [eager_store], anchors, positions=4)
+        c_hidden, c_base = compiled.block(compiled_store, 42, 4)
+        pieces = {
+            "eager: context projection (1 token)": lambda: draft.project_context(one[None]),
+            "eager: draft keys/values (1 token)": lambda: draft.context_kv(
+                one[None, :, : draft.config.hidden_size], torch.tensor([[150]])
+            ),
+            "eager: block + 4 LM-head rows": lambda: draft_block(draft, [eager_store], anchors, positions=4),
+            "eager: sequential + confidence heads": lambda: sample_block(
+                draft, hidden, base, anchors, SequenceSampler(None, torch.tensor([[1, 42]]), False)
+            ),
+            "compiled: draft_ingest (1 token)": lambda: (
+                compiled.ingest(compiled_store, one),
+                setattr(compiled_store, "length", 150),
+            ),
+            "compiled: draft_block_run (4 rows)": lambda: compiled.block(compiled_store, 42, 4),
+            "compiled: markov_greedy": lambda: compiled.greedy(c_hidden, c_base, 42),
+        }
+        for cold in (False, True):
+            for name, call in pieces.items():
+                times = []
+                for _ in range(30):
+                    if cold:
+                        evict.add_(1.0)
+                    start = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - start)
+                key = f"{name}, {'cold' if cold else 'warm'}"
+                out[key] = 1e3 * statistics.median(times)
+                print(f"{key}: {out[key]:.3f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mtbench", "sharegpt"])
@@ -34,11 +88,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pieces", action="store_true", help="first time the round's pieces alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_default_target()
     draft, _ = load_draft(target)
+    draft.bind_target(target)
+    pieces = time_pieces(target, draft) if args.pieces else None
     sample = args.temperature > 0
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, dspark_kernels="exact")
     if sample:
@@ -88,6 +145,8 @@ def main() -> None:
         )
     if args.out:
         payload = {"args": vars(args), "machine": platform.processor() or platform.machine(), "results": results}
+        if pieces is not None:
+            payload["pieces_ms"] = pieces
         Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
 
 

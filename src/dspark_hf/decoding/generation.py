@@ -90,6 +90,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
     `default_lookup`, then off. A round whose last tokens recur in the context verifies the copy instead of a
     draft; verification is the same, so output stays exactly the target's.
 
+    On the exact CPU kernels (the CLI's default for a float32 CPU target) the drafting round runs as three
+    compiled calls (`dspark_hf.decoding.compiled`; drafts exactly what the eager round drafts; set
+    `draft.compiled_round = False` for the eager round).
+
     The draft step runs as a captured CUDA graph when the `cuda_graphs` option is on (by precedence
     `generate(dspark_cuda_graphs=...)`, `generation_config.dspark_cuda_graphs`, `draft.cuda_graphs`; `None`, the
     default, is on for a CUDA draft), see `dspark_hf.decoding.draft_graphs`.
