@@ -192,6 +192,8 @@ def eligible(draft) -> bool:
         and type(head) is nn.Linear
         and head.weight.dtype == torch.float32
         and head.weight.device.type == "cpu"
+        # without a subset the eager round calls the target's head module: it must be on the exact kernel too
+        and (draft.draft_vocab_ids is not None or is_exact(head))
         and (markov is None or type(markov) is MarkovHead)
         and (conf is None or type(conf) is ConfidenceHead)
     )

@@ -87,6 +87,10 @@ inline vec8 vload_tail(const float* p, int64_t n) {
   return vload(buf);
 }
 
+#ifndef FAR_TILES
+#define FAR_TILES 2  // the L2 prefetch's distance beyond the L1 one, in column tiles (0: none)
+#endif
+
 // out[r][c] for R rows x C columns of one tile; every (r, c) keeps its own accumulator.
 // `ahead` (may be null): a weight region to prefetch while this tile computes (the tile PREFETCH_TILES further on),
 // so that streaming the weights from memory overlaps the arithmetic instead of following it. Prefetching only
@@ -100,8 +104,14 @@ inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, 
   const int64_t full = K - K % 8;
   for (int64_t k = 0; k < full; k += 8) {
 #ifdef DSPARK_AVX2
-    if (ahead != nullptr && (k & 15) == 0)  // one 64-byte line per C weight rows' 16 floats
+    if (ahead != nullptr && (k & 15) == 0) {  // one 64-byte line per C weight rows' 16 floats
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T0);
+      // with 3 or more rows, also into L2 from FAR_TILES tiles further on (measured on an AVX-512 Xeon: 7-10% off a
+      // 4-8-row pass over SmolLM2-135M's weights, one row unchanged; docs/cpu-packing.md)
+      if constexpr (R >= 3)
+        for (int c = 0; c < C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k + FAR_TILES * C * K), _MM_HINT_T1);
+    }
 #endif
     vec8 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = vload(ws[c] + k);
