@@ -32,7 +32,7 @@ def _pair(arch: str, head: str, aligned: bool, subset: bool):
     return target, draft
 
 
-def _rounds(target, draft, compiled: bool, do_sample: bool, calls: list | None = None):
+def _rounds(target, draft, compiled: bool, do_sample: bool):
     draft.compiled_round = compiled
     prompt = torch.tensor([[3, 17, 42, 8, 91, 5, 23]])
     torch.manual_seed(7)
