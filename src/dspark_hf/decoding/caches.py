@@ -49,11 +49,7 @@ class KVStore:
         needed = self.length + n
         if needed > self.max_tokens:
             raise RuntimeError(f"KV store overflow: {needed} tokens for a reservation of {self.max_tokens}.")
-        if not self._keys or needed > self._keys[0].shape[1]:
-            # doubling keeps appends amortised O(n); the cap keeps memory within the reservation
-            capacity = min(self.max_tokens, max(needed, 2 * (self._keys[0].shape[1] if self._keys else 0), 16))
-            self._keys = [self._grow(old, k, capacity) for old, (k, _) in _zip_old(self._keys, kvs)]
-            self._values = [self._grow(old, v, capacity) for old, (_, v) in _zip_old(self._values, kvs)]
+        self._ensure(needed, kvs, self.max_tokens)
         for i, (k, v) in enumerate(kvs):
             self._keys[i][:, self.length : needed] = k
             self._values[i][:, self.length : needed] = v
@@ -73,17 +69,20 @@ class KVStore:
         without writing anything; for callers that write the buffers in place (`dspark_hf.decoding.compiled`).
         Capacity doubles as in [`append`], capped at `limit` (which may exceed `max_tokens`: positions past the
         committed length are scratch space)."""
+        if needed > limit:
+            raise RuntimeError(f"KV store overflow: {needed} positions for a limit of {limit}.")
+        like = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self._ensure(needed, [(like, like)] * num_layers, limit)
+
+    def _ensure(self, needed: int, likes: list[tuple[torch.Tensor, torch.Tensor]], limit: int) -> None:
+        """Grow every layer's buffers (shaped and typed like `likes`' keys and values) to hold `needed` positions:
+        doubling keeps appends amortised O(n); `limit` caps the memory."""
         current = self._keys[0].shape[1] if self._keys else 0
         if needed <= current:
             return
-        if needed > limit:
-            raise RuntimeError(f"KV store overflow: {needed} positions for a limit of {limit}.")
         capacity = min(limit, max(needed, 2 * current, 16))
-        like = torch.empty(kv_heads, 0, head_dim, dtype=dtype, device=device)
-        olds = self._keys if self._keys else [None] * num_layers
-        self._keys = [self._grow(old, like, capacity) for old in olds]
-        olds = self._values if self._values else [None] * num_layers
-        self._values = [self._grow(old, like, capacity) for old in olds]
+        self._keys = [self._grow(old, k, capacity) for old, (k, _) in _zip_old(self._keys, likes)]
+        self._values = [self._grow(old, v, capacity) for old, (_, v) in _zip_old(self._values, likes)]
 
     def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
         buf = like.new_empty(like.shape[0], capacity, like.shape[2])
