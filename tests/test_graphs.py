@@ -378,6 +378,28 @@ def test_cuda_graphs_in_generate_keep_greedy_identity():
     assert torch.equal(gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20), first)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_graphs_keep_greedy_identity():
+    """The engine's real capture on a GPU: greedy rows draft through replayed graphs and every output equals
+    plain `generate()` (fp64 target: no near-tie flips); sampling rows run the eager step."""
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    gpu_target = make_target("llama", vocab_size=VOCAB, markov=True).cuda()
+    draft = make_aligned_draft(gpu_target, "markov", block_size=GAMMA).cuda()
+    engine = DSparkEngine(gpu_target, draft, policy="fixed", max_batch_size=3)
+    assert engine.graphs is not None  # auto: on for a CUDA draft
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 14, 7)]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert engine.graph_rounds > 0
+    for prompt, out in zip(prompts, outs):
+        ref = gpu_target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=12, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+    before = engine.graph_rounds
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, do_sample=True, seed=1))
+    assert engine.graph_rounds == before
+
+
 # ---------------------------------------------------------------------- the engine's graph path
 def test_engine_graph_path_is_exact_and_runs_for_greedy_rows(monkeypatch):
     """`DSparkEngine(cuda_graphs=True)` drafts greedy rows through the graph runner (here replaying the padded
