@@ -94,6 +94,41 @@ def unpack(packed: Path, config: Path, out: Path) -> None:
     print(f"unpacked {packed} -> {out}")
 
 
+def plot(metrics: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for spec in metrics:
+        name, path = spec.split("=", 1)
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        train = [r for r in rows if r["split"] == "train"]
+        window = 5  # the logged steps are single batches: a running mean over 5 of them (100 steps)
+        steps = [r["step"] for r in train][window - 1 :]
+        taus = [
+            statistics.mean(r["tau_est"] for r in train[i - window + 1 : i + 1]) for i in range(window - 1, len(train))
+        ]
+        (line,) = ax.plot(steps, taus, label=f"{name}: training batches (mean of 5 logs)")
+        for r in rows:
+            if r["split"] == "eval":
+                ax.plot([r["step"]], [r["tau_est"]], "o", color=line.get_color())
+                ax.annotate(
+                    f"held-out {r['tau_est']:.3f}",
+                    (r["step"], r["tau_est"]),
+                    textcoords="offset points",
+                    xytext=(-90, -14 if name.startswith("dflash") else 6),
+                )
+    ax.set_xlabel("optimizer step (16 sequences)")
+    ax.set_ylabel("tau_est (whole block verified)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +147,9 @@ def main() -> None:
     u.add_argument("--packed", type=Path, required=True)
     u.add_argument("--config", type=Path, required=True)
     u.add_argument("--out", type=Path, required=True)
+    g = sub.add_parser("plot")
+    g.add_argument("--metrics", nargs="+", required=True)
+    g.add_argument("--out", type=Path, required=True)
     args, rest = parser.parse_known_args()
     if args.command == "target":
         convert_target(args.gguf, args.out)
@@ -121,8 +159,10 @@ def main() -> None:
         print(fit_steps(args.times, args.seconds))
     elif args.command == "pack":
         pack(args.run, args.out)
-    else:
+    elif args.command == "unpack":
         unpack(args.packed, args.config, args.out)
+    else:
+        plot(args.metrics, args.out)
 
 
 if __name__ == "__main__":
