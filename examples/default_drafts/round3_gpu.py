@@ -65,7 +65,6 @@ def fit_steps(paths: list[Path], seconds: float, skip: int = 5) -> int:
 
 
 def pack(run: Path, out: Path) -> None:
-    import torch
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(run / "model.safetensors")
@@ -74,7 +73,6 @@ def pack(run: Path, out: Path) -> None:
         raise SystemExit(f"a weight of {big} does not fit fp16")
     save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}, out)
     print(f"packed {run} -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
-    del torch
 
 
 def unpack(packed: Path, config: Path, out: Path) -> None:

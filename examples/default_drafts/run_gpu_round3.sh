@@ -61,6 +61,7 @@ for p in dspark dflash; do
   cp "data/runs/$p-round3/config.json" "$out/$p-round3.config.json" 2>/dev/null
   cp "data/runs/$p-round3/metrics.jsonl" "$out/$p-round3.metrics.jsonl" 2>/dev/null
   cp "data/runs/$p-round3/eval_results.json" "$out/$p-round3.eval_results.json" 2>/dev/null
+  cp "data/runs/$p-round3/run_args.json" "$out/$p-round3.run_args.json" 2>/dev/null
 done
 $py - <<'PY' >>"$out/stages.log" 2>&1
 import json
