@@ -1,6 +1,6 @@
 """The adaptive policy: a fixed length with a payoff guard, decided before drafting from measured rates.
 
-Driven here with synthetic rounds (rates chosen by the test): it measures plain rounds first, then drafts,
+Driven here with synthetic rounds (rates chosen by the test): it drafts a few rounds first, then measures plain ones,
 keeps drafting while drafting emits more tokens per second, falls back to plain decoding when it does not,
 probes with a growing back-off, resumes when a probe wins, and re-measures plain rounds while drafting.
 Its exactness (a length fixed from earlier rounds only) is checked with the other policies in
@@ -37,14 +37,14 @@ def _round(policy, context, accepted: int, rows: int = 1, gamma: int = 7) -> int
     return length
 
 
-def test_measures_plain_first_then_drafts_and_keeps_drafting_while_it_pays():
+def test_drafts_first_then_measures_plain_and_keeps_drafting_while_it_pays():
     policy, context = AdaptivePolicy(n=4), ScheduleContext()
     lengths = [_round(policy, context, accepted=2) for _ in range(40)]  # 3 tokens per 26 ms: 115 tokens/s
-    assert lengths[:2] == [0, 0]  # plain_samples
-    assert lengths[2:5] == [4, 4, 4]  # warmup_drafts
-    drafting = lengths[2:]
-    assert drafting.count(4) >= 34 and drafting.count(0) <= 2  # one plain re-measure per refresh_every
-    assert 0 in drafting[16:20]
+    assert lengths[:3] == [4, 4, 4]  # warmup_drafts: a reply's opening rounds are drafted
+    assert lengths[3:5] == [0, 0]  # plain_samples
+    drafting = lengths[5:]
+    assert drafting.count(4) >= 32 and drafting.count(0) <= 2  # one plain re-measure per refresh_every
+    assert drafting[16] == 0 and drafting[:16].count(0) == 0
 
 
 def test_backs_off_when_drafting_loses_and_probes_with_a_growing_wait():
@@ -60,7 +60,7 @@ def test_backs_off_when_drafting_loses_and_probes_with_a_growing_wait():
 
 def test_a_winning_probe_resumes_drafting():
     policy, context = AdaptivePolicy(n=4), ScheduleContext()
-    for _ in range(29):  # 2 plain, 3 drafts, 8 plain, a losing probe, 15 of the 16 plain rounds before the next
+    for _ in range(29):  # 3 drafts, 2 plain, 8 plain, a losing probe, 15 of the 16 plain rounds before the next
         _round(policy, context, accepted=0)
     assert policy.plan_length(1, 7, context) == 0
     # the text turns predictable: the next probe accepts everything, and drafting resumes for good

@@ -355,9 +355,9 @@ class AdaptivePolicy(VerificationPolicy):
     A payoff guard for a fixed length: it compares what drafting really earns here (tokens emitted over the
     whole round's time, drafting included) with plain decoding's measured rate, so on text the draft
     predicts poorly, or on a machine where verification is dear, it falls back to plain decoding instead of
-    paying for drafts that are not accepted. It starts with `plain_samples` plain rounds (plain decoding is
-    the baseline: measuring it costs nothing), then drafts `warmup_drafts` rounds, then takes the faster arm
-    each round. While plain wins it probes one drafting round after `explore` plain rounds, doubling the
+    paying for drafts that are not accepted. It starts by drafting `warmup_drafts` rounds (a reply's first
+    rounds are often its most predictable: the opening of a chat answer, the start of a code block), then
+    measures `plain_samples` plain rounds, then takes the faster arm each round. While plain wins it probes one drafting round after `explore` plain rounds, doubling the
     wait up to `explore_max` for every probe that does not turn the verdict, and resetting it when drafting
     wins again; while drafting wins, one plain round in every `refresh_every` re-measures the alternative
     (the machine's load drifts). Each rate is tokens over seconds of recent rounds (sums that decay by
@@ -374,8 +374,8 @@ class AdaptivePolicy(VerificationPolicy):
         smoothing (`float`, *optional*, defaults to 0.1): decay of the drafting sums per drafting round.
         plain_smoothing (`float`, *optional*, defaults to 0.25): decay of the plain sums per plain round.
         probe_weight (`float`, *optional*, defaults to 0.5): decay of the drafting sums at a probe.
-        plain_samples (`int`, *optional*, defaults to 2): plain rounds measured before the first draft.
-        warmup_drafts (`int`, *optional*, defaults to 3): drafting rounds measured before comparing.
+        plain_samples (`int`, *optional*, defaults to 2): plain rounds measured after the warm-up drafts.
+        warmup_drafts (`int`, *optional*, defaults to 3): drafting rounds measured first, before any comparison.
         explore (`int`, *optional*, defaults to 8): plain rounds before the first probe.
         explore_max (`int`, *optional*, defaults to 64): the longest wait between probes.
         refresh_every (`int`, *optional*, defaults to 16): drafting rounds between plain re-measurements.
@@ -405,15 +405,16 @@ class AdaptivePolicy(VerificationPolicy):
         return context.payoff[rows]
 
     def _probing(self, state: PayoffState) -> bool:
-        return state.drafts >= self.warmup_drafts and state.draft_rate <= state.plain_rate
+        measured = state.drafts >= self.warmup_drafts and state.plains >= self.plain_samples
+        return measured and state.draft_rate <= state.plain_rate
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
         state = self._state(context, rows)
         length = gamma if self.n is None else min(self.n, gamma)
-        if state.plains < self.plain_samples:
-            return 0
         if state.drafts < self.warmup_drafts:
             return length
+        if state.plains < self.plain_samples:
+            return 0
         if state.draft_rate > state.plain_rate:  # drafting pays here
             return 0 if state.streak >= self.refresh_every else length
         return length if state.idle >= state.interval else 0  # a probe, or plain decoding
@@ -447,10 +448,11 @@ class AdaptivePolicy(VerificationPolicy):
                 lost = state.draft_rate <= state.plain_rate
                 state.interval = min(2 * state.interval, self.explore_max) if lost else self.explore
         else:
+            sample = state.plains < self.plain_samples  # a measuring round, not one the verdict chose
             keep = 1 - self.plain_smoothing
             state.add(False, tokens, seconds, keep)
             state.streak = 0
-            if self._probing(state):
+            if not sample and self._probing(state):
                 state.idle += 1
 
 
