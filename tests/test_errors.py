@@ -132,3 +132,15 @@ def test_threshold_without_confidence_head():
     draft.policy = "threshold:0.5"
     with pytest.raises(ValueError, match="confidence head"):
         target.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=draft)
+
+
+def test_convert_default_target_refuses_another_file(tmp_path):
+    from dspark_hf.default_model import convert_default_target
+
+    other = tmp_path / "model.gguf"
+    other.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf"):
+        convert_default_target(other, tmp_path / "out")
+    with pytest.raises(ValueError, match="expected the default target's GGUF file"):
+        convert_default_target(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "out")  # missing
+    assert not (tmp_path / "out").exists()

@@ -13,6 +13,7 @@ from dspark_hf.evaluation.prompt_sets import (
     calibration_prompts,
     load_prompt_set,
     sharegpt_conversations,
+    training_chat_pool,
     training_prompts,
 )
 
@@ -92,6 +93,9 @@ def test_training_sharegpt_prompts_come_from_before_the_heldout_slice():
     assert all(first_index[p] < SHAREGPT_HELDOUT_START for p in chat)
     held_out = load_prompt_set("sharegpt")
     assert all(int(item.id.removeprefix("sharegpt-")) >= SHAREGPT_HELDOUT_START for item in held_out)
+    pool = training_chat_pool()  # what round 3's prompt file took whole (examples/default_drafts/round3_data.py)
+    assert set(chat) <= set(pool) and all(first_index[p] < SHAREGPT_HELDOUT_START for p in pool)
+    assert not set(pool) & {item.prompt.strip() for item in held_out}
 
 
 def test_calibration_prompts_are_neither_trained_on_nor_evaluated():

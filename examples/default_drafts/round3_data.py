@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prompt_files import sort_shortest_first, write_jsonl
 
-from dspark_hf.evaluation.prompt_sets import _training_chat_pool, calibration_prompts, training_prompts
+from dspark_hf.evaluation.prompt_sets import calibration_prompts, training_chat_pool, training_prompts
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--output", default="data/prompts_round3.jsonl")
@@ -27,7 +27,7 @@ parser.add_argument("--seed", type=int, default=3, help="a new draw (rounds 1 an
 args = parser.parse_args()
 
 calibration = {r["prompt"] for r in calibration_prompts(160, n_chat_trained=1100, seed=0)}
-chat = [{"prompt": p, "source": "sharegpt"} for p in _training_chat_pool() if p not in calibration]
+chat = [{"prompt": p, "source": "sharegpt"} for p in training_chat_pool() if p not in calibration]
 drawn = training_prompts(0, 10_000, args.math, seed=args.seed)
 code = [r for r in drawn if r["source"] == "stdlib"] * args.code_repeats
 math = [r for r in drawn if r["source"] == "math" and r["prompt"] not in calibration]

@@ -21,11 +21,12 @@ STARTED = time.perf_counter()
 
 
 def convert_target(gguf: Path, out: Path) -> None:
-    from dspark_hf.default_model import _GGUF_FILE, _convert_gguf
+    from dspark_hf.default_model import convert_default_target
 
-    if gguf.name != _GGUF_FILE:
-        raise SystemExit(f"name the file {_GGUF_FILE}")
-    _convert_gguf(gguf.parent, out)
+    try:
+        convert_default_target(gguf, out)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     print(f"converted {gguf.name} to {out}")
 
 

