@@ -66,6 +66,26 @@ def test_sts_recovers_the_true_temperature_and_fixes_ece():
     assert b["auroc"] == pytest.approx(a["auroc"], abs=1e-12)
 
 
+def test_a_fit_that_worsens_the_held_out_ece_is_not_kept():
+    """Fit rounds from an overconfident head (T* = 2.5), held-out rounds from a calibrated one (T* = 1): the fit
+    makes the held-out ECE worse, so the draft keeps temperatures of 1.0 unless told to keep the fit."""
+    target = make_target("llama", markov=True)
+    fit, held = _synthetic(gamma=7, seed=0), _synthetic(gamma=7, true_temperature=1.0, seed=1)
+    draft = make_aligned_draft(target, "markov", block_size=7)
+    report = calibrate(draft, fit, held)
+    assert report["kept"] == "identity" and report["temperatures"] == [1.0] * 7
+    assert all(1.8 < t < 3.5 for t in report["fitted_temperatures"][:3])
+    assert report["held_out"]["after"]["overall"]["ece"] > report["held_out"]["before"]["overall"]["ece"]
+    assert draft.config.calibration_temperatures == [1.0] * 7 and draft.config.confidence_calibrated
+    kept = make_aligned_draft(target, "markov", block_size=7)
+    report = calibrate(kept, fit, held, keep_worse=True)
+    assert "kept" not in report and kept.config.calibration_temperatures == report["temperatures"] != [1.0] * 7
+    # the same fit is kept when the held-out rounds agree with it
+    agreeing = make_aligned_draft(target, "markov", block_size=7)
+    report = calibrate(agreeing, fit, _synthetic(gamma=7, seed=1))
+    assert "kept" not in report and agreeing.config.calibration_temperatures == report["temperatures"]
+
+
 def test_records_only_count_observed_positions():
     rec = CalibrationRecords(torch.zeros(3, 4, dtype=torch.float64), torch.tensor([4, 2, 0]), torch.tensor([1, 2, 0]))
     assert rec.observed(1).tolist() == [True, True, False]

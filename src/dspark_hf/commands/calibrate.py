@@ -21,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0, help="decoding temperature (0 = greedy)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep-worse",
+        action="store_true",
+        help="save the fitted temperatures even if they make the held-out ECE worse than the raw confidences "
+        "(default: keep temperatures of 1.0 then)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,15 +73,21 @@ def main(args: argparse.Namespace) -> int:
     )
     fit = collect_records(target, draft, inputs[:cut], **kwargs)
     held = collect_records(target, draft, inputs[cut:], **kwargs)
-    report = calibrate(draft, fit, held)
+    report = calibrate(draft, fit, held, keep_worse=args.keep_worse)
     report.update(
         prompts=args.prompts, fit_prompts=cut, held_out_prompts=len(inputs) - cut, decoding_temperature=args.temperature
     )
     out = Path(args.out)
     draft.save_pretrained(out)
     (out / "calibration_report.json").write_text(json.dumps(json_safe(report), indent=2, allow_nan=False))
-    reliability_diagram(held, report["temperatures"], str(out / "reliability.png"))
+    # raw vs the fitted temperatures, also when the fit was rejected (the picture shows why)
+    reliability_diagram(held, report.get("fitted_temperatures", report["temperatures"]), str(out / "reliability.png"))
     before, after = report["held_out"]["before"]["overall"], report["held_out"]["after"]["overall"]
+    if report.get("kept") == "identity":
+        print(
+            f"the fitted temperatures {[round(t, 3) for t in report['fitted_temperatures']]} made the held-out ECE "
+            "worse than the raw confidences: kept temperatures of 1.0 (--keep-worse saves the fit)"
+        )
     print(f"temperatures: {[round(t, 3) for t in report['temperatures']]}")
     print(
         f"held-out ECE {100 * before['ece']:.2f}% -> {100 * after['ece']:.2f}%, AUROC {after['auroc']:.3f}, "

@@ -229,14 +229,22 @@ def collect_records(
     return CalibrationRecords.concat(parts)
 
 
-def calibrate(draft: Any, fit: CalibrationRecords, held_out: CalibrationRecords | None = None) -> dict:
+def calibrate(
+    draft: Any, fit: CalibrationRecords, held_out: CalibrationRecords | None = None, keep_worse: bool = False
+) -> dict:
     """Fit STS temperatures on `fit`, store them in `draft.config`, and report before/after metrics.
 
     The temperatures travel with `save_pretrained` / `push_to_hub`; `config.confidence_calibrated` becomes
     `True`, which makes the hardware-aware policy the draft's default.
 
+    A fit that makes the *held-out* ECE worse than the raw confidences (all temperatures 1.0) over-fitted the
+    fit rounds: unless `keep_worse=True`, the draft then keeps temperatures of 1.0 (the raw head, which the
+    held-out rounds showed the better calibrated), `report["temperatures"]` says so and
+    `report["fitted_temperatures"]` holds the rejected fit. Without `held_out` the fit is always kept.
+
     Returns:
-        `dict`: `{"temperatures", "fit": {"before", "after"}, "held_out": {"before", "after"}}`.
+        `dict`: `{"temperatures", "fit": {"before", "after"}, "held_out": {"before", "after"}}`, plus
+        `"fitted_temperatures"` and `"kept": "identity"` when the fit was rejected.
     """
     gamma = draft.config.block_size
     identity = [1.0] * gamma
@@ -255,6 +263,10 @@ def calibrate(draft: Any, fit: CalibrationRecords, held_out: CalibrationRecords 
             "before": calibration_report(held_out, identity),
             "after": calibration_report(held_out, temps),
         }
+        worse = report["held_out"]["after"]["overall"]["ece"] > report["held_out"]["before"]["overall"]["ece"]
+        if worse and not keep_worse:
+            report.update(fitted_temperatures=temps, kept="identity", temperatures=identity)
+            temps = identity
     draft.config.calibration_temperatures = temps
     draft.config.confidence_calibrated = True
     return report
