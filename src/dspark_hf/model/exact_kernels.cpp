@@ -107,7 +107,7 @@ inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, 
     if (ahead != nullptr && (k & 15) == 0) {  // one 64-byte line per C weight rows' 16 floats
       for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T0);
       // also into L2 from FAR_TILES tiles further on (measured on an AVX-512 Xeon: 7-10% off a 4-8-row pass over
-      // SmolLM2-135M's weights, one row unchanged; on an AMD EPYC 16-20% off a 1- or 2-row pass, which until
+      // SmolLM2-135M's weights, one row unchanged; on an AMD EPYC 15-22% off a 1- or 2-row pass, which until
       // 2026-12-04 went without it; docs/cpu-packing.md)
       for (int c = 0; c < C; ++c)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k + FAR_TILES * C * K), _MM_HINT_T1);
