@@ -357,7 +357,8 @@ class AdaptivePolicy(VerificationPolicy):
     predicts poorly, or on a machine where verification is dear, it falls back to plain decoding instead of
     paying for drafts that are not accepted. It starts by drafting `warmup_drafts` rounds (a reply's first
     rounds are often its most predictable: the opening of a chat answer, the start of a code block), then
-    measures `plain_samples` plain rounds, then takes the faster arm each round. While plain wins it probes one drafting round after `explore` plain rounds, doubling the
+    measures `plain_samples` plain rounds, then takes the faster arm each round. While plain wins it probes
+    one drafting round after `explore` plain rounds, doubling the
     wait up to `explore_max` for every probe that does not turn the verdict, and resetting it when drafting
     wins again; while drafting wins, one plain round in every `refresh_every` re-measures the alternative
     (the machine's load drifts). Each rate is tokens over seconds of recent rounds (sums that decay by
@@ -405,8 +406,7 @@ class AdaptivePolicy(VerificationPolicy):
         return context.payoff[rows]
 
     def _probing(self, state: PayoffState) -> bool:
-        measured = state.drafts >= self.warmup_drafts and state.plains >= self.plain_samples
-        return measured and state.draft_rate <= state.plain_rate
+        return state.drafts >= self.warmup_drafts and state.draft_rate <= state.plain_rate
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
         state = self._state(context, rows)
