@@ -310,6 +310,72 @@ def test_growing_a_draft_keeps_its_predictions_then_trains_the_new_layer(tiny, t
     assert torch.equal(target.generate(ids, assistant_model=saved, **kw), target.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("kind", ["markov", "gated", "rnn"])
+def test_a_dflash_draft_upgraded_with_heads_proposes_the_same_then_trains_them(tiny, tmp_path, kind):
+    """`add_heads` gives a DFlash draft (no sequential or confidence head) DSpark's heads with the sequential
+    head's output projection at zero: the upgraded draft's logits are exactly the DFlash draft's, for any previous
+    tokens. Through `train()` (preset dspark) the heads train (W2 leaves zero), and the saved draft loads as a
+    DSpark draft with the heads and still generates losslessly. A deliberately wrong upgrade (W2 left random)
+    changes the logits: the identity check has power."""
+    from dspark_hf.train.trainer import add_heads
+
+    _, data = tiny
+    target = make_chat_target()
+    torch.manual_seed(0)
+    start = DSparkDraftModel.from_target(
+        target, num_hidden_layers=1, block_size=4, sequential_head="none", confidence_head=False
+    )
+    start.save_pretrained(tmp_path / "dflash")
+    gamma, d = 4, target.config.hidden_size
+    mask = start.config.mask_token_id
+    inputs = dict(
+        target_hidden_states=torch.randn(1, 6, start.config.num_target_features * d),
+        input_ids=torch.tensor([[5, mask, mask, mask]]),
+        position_ids=torch.arange(6, 6 + gamma)[None],
+        prev_token_ids=torch.tensor([[5, 7, 8, 9]]),
+    )
+    before = start(**inputs).logits
+    upgraded = add_heads(DSparkDraftModel.from_pretrained(str(tmp_path / "dflash"), target=target), kind, 16)
+    assert upgraded.config.sequential_head == kind and upgraded.config.markov_rank == 16
+    assert upgraded.markov_head is not None and upgraded.confidence_head is not None
+    out = upgraded(**inputs)
+    torch.testing.assert_close(out.logits, before, rtol=0, atol=0)
+    assert out.confidence_logits is not None
+    wrong = DSparkDraftModel.from_pretrained(str(tmp_path / "dflash"), target=target)
+    add_heads(wrong, kind, 16)
+    torch.nn.init.normal_(wrong.markov_head.markov_w2.weight, std=0.5)
+    assert not torch.equal(wrong(**inputs).logits, before)
+    with pytest.raises(ValueError, match="already has"):
+        add_heads(upgraded)
+
+    train(
+        ModelArguments(init_from=str(tmp_path / "dflash"), add_heads=True, sequential_head=kind, markov_rank=16),
+        DataArguments(train_data=str(data), num_anchors=8, eval_ratio=0.0),
+        TrainArguments(
+            output_dir=str(tmp_path / "run"), max_steps=2, learning_rate=0.01, report_to="none", progress=False
+        ),
+        target=target,
+    )
+    saved = DSparkDraftModel.from_pretrained(str(tmp_path / "run"), target=target)
+    assert saved.config.sequential_head == kind and saved.config.confidence_head
+    assert saved.markov_head.markov_w2.weight.abs().sum() > 0
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    kw = dict(max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=saved, **kw), target.generate(ids, **kw))
+
+
+def test_add_heads_needs_a_draft_and_a_sequential_head():
+    from dspark_hf.train.args import LoraArguments
+    from dspark_hf.train.trainer import _build_model
+
+    with pytest.raises(ValueError, match="init_from"):
+        ModelArguments(add_heads=True)
+    with pytest.raises(ValueError, match="sequential_head"):
+        ModelArguments(init_from="x", add_heads=True, preset="dflash")
+    with pytest.raises(ValueError, match="--lora"):
+        _build_model(make_chat_target(), ModelArguments(init_from="x", add_heads=True), LoraArguments(lora=True))
+
+
 def test_add_layers_needs_a_draft_to_grow():
     with pytest.raises(ValueError, match="init_from"):
         ModelArguments(add_layers=1)

@@ -154,6 +154,14 @@ class ModelArguments:
             "grew from predicts (more capacity without starting over)."
         },
     )
+    add_heads: bool = field(
+        default=False,
+        metadata={
+            "help": "with --init_from a draft without heads (a DFlash draft): add the sequential head "
+            "(sequential_head, markov_rank) and the confidence head, their output starting at zero, so the "
+            "upgraded draft starts out proposing exactly what the DFlash draft proposes (use with preset dspark)."
+        },
+    )
     init_layers_from_target: bool = field(
         default=False,
         metadata={
@@ -193,6 +201,11 @@ class ModelArguments:
         if self.init_layers_from_target and self.init_from is not None:
             raise ValueError(
                 "ModelArguments.init_layers_from_target starts a fresh draft; an init_from draft keeps its own weights."
+            )
+        if self.add_heads and (self.init_from is None or self.sequential_head == "none"):
+            raise ValueError(
+                "ModelArguments.add_heads upgrades an existing draft: pass init_from, and a sequential_head "
+                "(markov, gated or rnn; the dspark preset's default is markov)."
             )
         if self.add_layers and self.init_from is None:
             raise ValueError(

@@ -213,6 +213,56 @@ def grow_layers(draft: DSparkDraftModel, n: int) -> DSparkDraftModel:
     return draft
 
 
+@torch.no_grad()
+def add_heads(
+    draft: DSparkDraftModel,
+    sequential_head: str = "markov",
+    markov_rank: int = 256,
+    confidence_head: bool = True,
+) -> DSparkDraftModel:
+    """Give a draft without a sequential head (a DFlash draft) DSpark's heads: a sequential head of kind
+    `sequential_head` and rank `markov_rank`, and a confidence head when `confidence_head`. The sequential
+    head's output projection `W2` starts at zero, so its bias `B_k` is zero and the upgraded draft proposes
+    exactly what the DFlash draft proposes until training moves it; the rest of the new weights take the
+    draft's usual initialisation. The backbone (layers, `fc`, norms) and the draft vocabulary are kept.
+    Returns `draft`, changed in place; its config records the heads, so it saves and loads as a DSpark draft.
+
+    Args:
+        draft ([`DSparkDraftModel`]): a draft with neither a sequential nor a confidence head.
+        sequential_head (`str`, *optional*, defaults to `"markov"`): `"markov"`, `"gated"` or `"rnn"`.
+        markov_rank (`int`, *optional*, defaults to 256): the head's rank `r`.
+        confidence_head (`bool`, *optional*, defaults to `True`): add a confidence head too.
+    """
+    from ..model.heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+
+    if draft.markov_head is not None or draft.confidence_head is not None:
+        raise ValueError(
+            "add_heads upgrades a draft without heads (a DFlash draft); this one already has a "
+            f"{draft.config.sequential_head!r} sequential head or a confidence head."
+        )
+    if sequential_head not in SEQUENTIAL_HEAD_CLASSES:
+        raise ValueError(
+            f"add_heads: sequential_head must be one of {sorted(SEQUENTIAL_HEAD_CLASSES)}, got {sequential_head!r}."
+        )
+    if markov_rank < 1:
+        raise ValueError(f"add_heads: markov_rank must be >= 1, got {markov_rank}.")
+    config = draft.config
+    config.sequential_head, config.markov_rank, config.confidence_head = sequential_head, markov_rank, confidence_head
+    ref = draft.fc.weight
+    heads = [SEQUENTIAL_HEAD_CLASSES[sequential_head](config)]
+    heads += [ConfidenceHead(config)] if confidence_head else []
+    for head in heads:
+        head.apply(draft._init_weights)
+        head.to(device=ref.device, dtype=ref.dtype)
+    heads[0].markov_w2.weight.zero_()
+    draft.markov_head = heads[0]
+    draft.confidence_head = heads[1] if confidence_head else None
+    if confidence_head:  # a fresh head has no calibration
+        config.confidence_calibrated = False
+        config.calibration_temperatures = [1.0] * config.block_size
+    return draft
+
+
 def init_layers_from_target(draft: DSparkDraftModel, target) -> list[str]:
     """Start a fresh draft's decoder layers from the target's top layers: draft layer `i` of `n` takes the weights
     of target layer `L - n + i` wherever a parameter of the same name and shape exists there (attention and MLP
@@ -258,12 +308,16 @@ def _build_model(target, model_args: ModelArguments, lora_args: LoraArguments):
             raise ValueError("LoRA fine-tuning adapts an existing draft: pass --init_from <draft folder or Hub id>.")
         if model_args.add_layers:
             raise ValueError("--add_layers grows the draft's full weights; it cannot be combined with --lora.")
+        if model_args.add_heads:
+            raise ValueError("--add_heads trains new heads in full; it cannot be combined with --lora.")
         from .lora import apply_lora
 
         draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
         return apply_lora(draft, lora_args, base_path=model_args.init_from)
     if model_args.init_from is not None:
         draft = _uncalibrated(DSparkDraftModel.from_pretrained(model_args.init_from, target=target).float())
+        if model_args.add_heads:
+            add_heads(draft, model_args.sequential_head, model_args.markov_rank, model_args.confidence_head)
         return grow_layers(draft, model_args.add_layers) if model_args.add_layers else draft
     # fp32 master weights whatever the target's dtype; bf16 compute comes from autocast.
     draft = DSparkDraftModel.from_target(target, **model_args.draft_config_overrides()).float()
