@@ -158,7 +158,7 @@ class ModelArguments:
         default=False,
         metadata={
             "help": "with --init_from a draft without heads (a DFlash draft): add the sequential head "
-            "(sequential_head, markov_rank) and the confidence head, their output starting at zero, so the "
+            "(sequential_head, markov_rank) and the confidence head, the sequential head's output at zero, so the "
             "upgraded draft starts out proposing exactly what the DFlash draft proposes (use with preset dspark)."
         },
     )

@@ -235,10 +235,11 @@ def add_heads(
     """
     from ..model.heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
 
-    if draft.markov_head is not None or draft.confidence_head is not None:
+    has = [f"a {draft.config.sequential_head!r} sequential head"] if draft.markov_head is not None else []
+    has += ["a confidence head"] if draft.confidence_head is not None else []
+    if has:
         raise ValueError(
-            "add_heads upgrades a draft without heads (a DFlash draft); this one already has a "
-            f"{draft.config.sequential_head!r} sequential head or a confidence head."
+            f"add_heads upgrades a draft without heads (a DFlash draft); this one already has {' and '.join(has)}."
         )
     if sequential_head not in SEQUENTIAL_HEAD_CLASSES:
         raise ValueError(
