@@ -89,9 +89,10 @@ def main(args: argparse.Namespace) -> int:
             "worse than the raw confidences: kept temperatures of 1.0 (--keep-worse saves the fit)"
         )
     print(f"temperatures: {[round(t, 3) for t in report['temperatures']]}")
+    arrow = "-> the fit's (not kept)" if report.get("kept") == "identity" else "->"
     print(
-        f"held-out ECE {100 * before['ece']:.2f}% -> {100 * after['ece']:.2f}%, AUROC {after['auroc']:.3f}, "
-        f"Brier {before['brier']:.4f} -> {after['brier']:.4f} ({report['held_out']['rounds']} rounds)"
+        f"held-out ECE {100 * before['ece']:.2f}% {arrow} {100 * after['ece']:.2f}%, AUROC {after['auroc']:.3f}, "
+        f"Brier {before['brier']:.4f} {arrow} {after['brier']:.4f} ({report['held_out']['rounds']} rounds)"
     )
     print(f"wrote {out} (calibrated draft, calibration_report.json, reliability.png)")
     return 0

@@ -258,10 +258,7 @@ def add_heads(
     heads[0].markov_w2.weight.zero_()
     draft.markov_head = heads[0]
     draft.confidence_head = heads[1] if confidence_head else None
-    if confidence_head:  # a fresh head has no calibration
-        config.confidence_calibrated = False
-        config.calibration_temperatures = [1.0] * config.block_size
-    return draft
+    return _uncalibrated(draft)  # a fresh confidence head has no calibration
 
 
 def init_layers_from_target(draft: DSparkDraftModel, target) -> list[str]:
