@@ -360,10 +360,10 @@ class AdaptivePolicy(VerificationPolicy):
     measures `plain_samples` plain rounds, then takes the faster arm each round. While plain wins it probes
     one drafting round after `explore` plain rounds, doubling the wait up to `explore_max` for every probe
     that does not turn the verdict, and resetting it when drafting wins again; while drafting wins, one plain
-    round in every `refresh_every` re-measures the alternative (the machine's load drifts). Each rate is tokens over seconds of recent rounds (sums that decay by
-    `1 - smoothing` per drafting round and `1 - plain_smoothing` per plain round: a ratio of sums, not a mean
-    of noisy per-round ratios); a probe decays the drafting sums by `1 - probe_weight` instead, so one good
-    probe can resume drafting.
+    round in every `refresh_every` re-measures the alternative (the machine's load drifts). Each rate is
+    tokens over seconds of recent rounds (sums that decay by `1 - smoothing` per drafting round and
+    `1 - plain_smoothing` per plain round: a ratio of sums, not a mean of noisy per-round ratios); a probe
+    decays the drafting sums by `1 - probe_weight` instead, so one good probe can resume drafting.
 
     Lossless: the length is fixed before the round drafts, from earlier rounds only. Needs no confidence
     head and no SPS profile. Measured per batch size (the engine's rounds at `R` rows are compared with plain
