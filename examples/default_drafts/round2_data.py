@@ -58,6 +58,13 @@ s.add_argument(
     default=None,
     help="use only round 2's first N conversations (the run under way stopped prepare-data at 3,648)",
 )
+s.add_argument(
+    "--skip",
+    type=int,
+    default=0,
+    help="leave out round 2's first N conversations (with none: those an earlier round trained on, when a "
+    "resumed prepare-data run appended more to the same file)",
+)
 s.add_argument("--train-output", default="data/train_round2.jsonl")
 s.add_argument("--eval-output", default="data/eval_round1.jsonl")
 s.add_argument("--eval-ratio", type=float, default=0.02, help="round 1's eval_ratio (or round 2's, with none)")
@@ -80,7 +87,7 @@ if args.command == "prompts":
     print(f"wrote {len(rows)} prompts to {out} ({counts})")
 elif args.round1 == "none":
     with open(args.round2, encoding="utf-8") as f:
-        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()][: args.first]
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()][args.skip : args.first]
     order = list(range(len(lines)))
     random.Random(args.seed).shuffle(order)
     held = set(order[: max(1, round(args.eval_ratio * len(lines)))])
