@@ -430,6 +430,24 @@ def _markdown_quality(report: EvalReport) -> list[str]:
     return out
 
 
+#: fewest rounds behind a plotted point of an acceptance curve (the tables show every point with its count)
+MIN_CURVE_ROUNDS = 20
+#: the count behind each curve: the rounds that reached position k, or that verified it
+_CURVE_COUNTS = {"conditional_acceptance": "reached", "prefix_survival": "verified_at"}
+
+
+def _thin_curve(values: list, counts: list | None, min_rounds: int = MIN_CURVE_ROUNDS) -> list[float]:
+    """The curve to plot: NaN (a gap) where fewer than `min_rounds` rounds stand behind a point, or none.
+
+    A conditional acceptance at the block's end often rests on one or two rounds, and a lone 1.0 or 0.0
+    there reads as a finding; the tables keep every point with its count.
+    """
+    nan = float("nan")
+    if counts is None:
+        return [nan if v is None else v for v in values]
+    return [nan if v is None or c < min_rounds else v for v, c in zip(values, counts)]
+
+
 def _plots(report: EvalReport, folder: Path) -> list[Path]:
     try:
         import matplotlib
@@ -457,7 +475,7 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
     def curve_panel(ax, cells, key, title):
         for d in drafts:
             if d in cells:
-                ys = cells[d][key]
+                ys = _thin_curve(cells[d][key], cells[d].get(_CURVE_COUNTS[key]))
                 ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, color=colors[d], label=d)
         ax.set(title=title, xlabel="draft position k", ylim=(0, 1.02), xlim=(0.5, gamma + 0.5))
         ax.title.set_fontsize(9)
@@ -469,14 +487,16 @@ def _plots(report: EvalReport, folder: Path) -> list[Path]:
                         ("prefix_survival", "P(1..k all accepted)")):  # fmt: skip
         fig, axes = grid(1, len(temps), 4.5, 3.8)
         for ax, temp in zip(axes[0], temps):
-            curve_panel(ax, macro[temp], key, f"T={temp}, rounds of {len(sets)} set(s) pooled")
+            title = f"T={temp}, rounds of {len(sets)} set(s) pooled, points from ≥ {MIN_CURVE_ROUNDS} rounds"
+            curve_panel(ax, macro[temp], key, title)
         axes[0][0].set_ylabel(ylabel)
         save(fig, f"{key}.png")
 
     fig, axes = grid(len(sets), len(temps), 4.2, 3.0)
     for i, s in enumerate(sets):
         for j, temp in enumerate(temps):
-            curve_panel(axes[i][j], summary[s].get(temp, {}), "conditional_acceptance", f"{s}, T={temp}")
+            title = f"{s}, T={temp} (points from ≥ {MIN_CURVE_ROUNDS} rounds)"
+            curve_panel(axes[i][j], summary[s].get(temp, {}), "conditional_acceptance", title)
         axes[i][0].set_ylabel("conditional acceptance")
     save(fig, "conditional_acceptance_by_set.png")
 
