@@ -437,7 +437,7 @@ _CURVE_COUNTS = {"conditional_acceptance": "reached", "prefix_survival": "verifi
 
 
 def _thin_curve(values: list, counts: list | None, min_rounds: int = MIN_CURVE_ROUNDS) -> list[float]:
-    """The curve to plot: NaN (a gap) where fewer than `min_rounds` rounds stand behind a point, or none.
+    """The curve to plot: NaN (a gap) where a point has no value or fewer than `min_rounds` rounds behind it.
 
     A conditional acceptance at the block's end often rests on one or two rounds, and a lone 1.0 or 0.0
     there reads as a finding; the tables keep every point with its count.
