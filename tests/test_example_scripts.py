@@ -61,7 +61,7 @@ def test_first_token_gap_scores_the_first_drafted_token_as_training_does():
         prompt = torch.randint(0, target.config.vocab_size - 1, (1, 4))
         ids = target.generate(prompt, do_sample=True, top_k=0, top_p=1.0, max_new_tokens=30, min_new_tokens=30)[0]
         dataset.append((ids, torch.arange(ids.numel()) >= 4))  # the 4-token prompt, then the reply
-    rates = gap.first_token_rates(draft, target, dataset)
+    rates = gap.first_token_rates({"draft": draft}, target, dataset)["draft"]
     tv_sum = count = 0.0
     for ids, mask in dataset:  # training's loss on the same anchors: every one that follows another
         anchors = valid_anchor_positions(mask)[1:]

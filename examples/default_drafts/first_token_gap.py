@@ -19,7 +19,7 @@ the evaluation's prompts from that of the training prompts.
 
     python examples/default_drafts/first_token_gap.py --data data/eval_round6.jsonl \\
         --draft dspark7=data/runs/round7-dspark --draft dflash7=data/runs/round7-dflash
-    python examples/default_drafts/first_token_gap.py --eval-results docs/results/eval-round7-tau-seed2/results.json \
+    python examples/default_drafts/first_token_gap.py --eval-results docs/results/eval-round7-tau-seed2/results.json \\
         --draft dspark7=data/runs/round7-dspark --draft dflash7=data/runs/round7-dflash
 """
 
@@ -40,62 +40,72 @@ from dspark_hf.train.losses import build_blocks, valid_anchor_positions
 
 
 @torch.no_grad()
-def first_token_rates(draft, target, dataset) -> dict[str, float]:
-    gamma, mask_id = draft.config.block_size, draft.config.mask_token_id
-    vocab_ids = getattr(draft, "draft_vocab_ids", None)
-    index = None
-    if vocab_ids is not None:
-        index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-        index[vocab_ids] = torch.arange(vocab_ids.numel())
-    plain_sum = plain_n = weighted_sum = weight_sum = 0.0
+def first_token_rates(drafts: dict, target, dataset) -> dict[str, dict[str, float]]:
+    """The first drafted token's acceptance, plain and after a rejection, for each of `drafts` (name → draft),
+    on every anchor of `dataset` that follows another anchor. The target runs once per sequence for all drafts."""
+    sums = {name: [0.0, 0.0, 0.0, 0.0] for name in drafts}  # plain sum, anchors, weighted sum, weight sum
     for i in range(len(dataset)):
         ids, mask = dataset[i]
         anchors = valid_anchor_positions(mask)
         if anchors.numel() < 2:
             continue
         ids, mask = ids[None], mask[None]
-        feats = target_features(target, list(draft.config.target_layer_ids), ids, torch.ones_like(ids))
-        blocks = build_blocks(ids, mask, [anchors], gamma, mask_id)
-        out = draft(
-            target_hidden_states=feats.context,
-            input_ids=blocks.input_ids,
-            position_ids=blocks.position_ids,
-            prev_token_ids=blocks.prev_token_ids,
-            attention_mask=block_attention_mask(blocks.anchors, ids.shape[1], gamma),
-            **({"restrict_vocab": True} if vocab_ids is not None else {}),
-        )
-        slot0 = torch.arange(anchors.numel()) * gamma  # slot 0 of each block predicts x_{a+1}
-        q = torch.softmax(out.logits[0, slot0].float(), dim=-1)
-        positions = blocks.target_positions[:, slot0]
-        z = target_logits(target, feats.final, positions, vocab_ids)[0]
-        if vocab_ids is not None:  # the target's full distribution on the subset
-            p = torch.exp(z - log_partition_at(feats, target, positions)[0][:, None])
-        else:
-            p = torch.softmax(z, dim=-1)
-        accept = torch.minimum(p, q).sum(-1)  # [N]: acceptance of the first drafted token at each anchor
-        tv = (1.0 - accept).clamp(min=1e-6)
-        nxt = ids[0, anchors + 1]  # x_{a+1}, the token the next anchor starts from
-        col = index[nxt] if index is not None else nxt
-        inside = col >= 0
-        q_x = torch.where(inside, q.gather(1, col.clamp(min=0)[:, None])[:, 0], torch.zeros_like(tv))
-        p_x = torch.where(inside, p.gather(1, col.clamp(min=0)[:, None])[:, 0], torch.ones_like(tv))
-        ratio = torch.where(inside, (1.0 - q_x / p_x.clamp(min=1e-12)).clamp(min=0.0), torch.ones_like(tv))
-        w_next = ratio / tv  # weight of anchor a+1 from the block anchored at a
-        succ = {int(a): j for j, a in enumerate(anchors)}
-        for j, a in enumerate(anchors.tolist()):
-            k = succ.get(a + 1)
-            if k is None:
-                continue
-            plain_sum += float(accept[k])
-            plain_n += 1
-            weighted_sum += float(w_next[j] * accept[k])
-            weight_sum += float(w_next[j])
+        layer_ids = None
+        for name, draft in drafts.items():
+            if list(draft.config.target_layer_ids) != layer_ids:
+                layer_ids = list(draft.config.target_layer_ids)
+                feats = target_features(target, layer_ids, ids, torch.ones_like(ids))
+            _accumulate(sums[name], draft, target, feats, ids, mask, anchors)
     return {
-        "anchors": plain_n,
-        "plain": plain_sum / max(plain_n, 1),
-        "after_rejection": weighted_sum / max(weight_sum, 1e-12),
-        "mean_weight": weight_sum / max(plain_n, 1),
+        name: {
+            "anchors": n,
+            "plain": plain / max(n, 1),
+            "after_rejection": weighted / max(weights, 1e-12),
+            "mean_weight": weights / max(n, 1),
+        }
+        for name, (plain, n, weighted, weights) in sums.items()
     }
+
+
+def _accumulate(sums: list, draft, target, feats, ids, mask, anchors) -> None:
+    gamma = draft.config.block_size
+    vocab_ids = getattr(draft, "draft_vocab_ids", None)
+    blocks = build_blocks(ids, mask, [anchors], gamma, draft.config.mask_token_id)
+    out = draft(
+        target_hidden_states=feats.context,
+        input_ids=blocks.input_ids,
+        position_ids=blocks.position_ids,
+        prev_token_ids=blocks.prev_token_ids,
+        attention_mask=block_attention_mask(blocks.anchors, ids.shape[1], gamma),
+        **({"restrict_vocab": True} if vocab_ids is not None else {}),
+    )
+    slot0 = torch.arange(anchors.numel()) * gamma  # slot 0 of each block predicts x_{a+1}
+    q = torch.softmax(out.logits[0, slot0].float(), dim=-1)
+    positions = blocks.target_positions[:, slot0]
+    z = target_logits(target, feats.final, positions, vocab_ids)[0]
+    if vocab_ids is not None:  # the target's full distribution on the subset
+        p = torch.exp(z - log_partition_at(feats, target, positions)[0][:, None])
+    else:
+        p = torch.softmax(z, dim=-1)
+    accept = torch.minimum(p, q).sum(-1)  # [N]: acceptance of the first drafted token at each anchor
+    tv = (1.0 - accept).clamp(min=1e-6)
+    nxt = ids[0, anchors + 1]  # x_{a+1}, the token the next anchor starts from
+    if vocab_ids is not None:  # its column in the subset (-1: outside it, where q is 0)
+        index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+        index[vocab_ids] = torch.arange(vocab_ids.numel())
+        col = index[nxt]
+    else:
+        col = nxt
+    inside = col >= 0
+    q_x = torch.where(inside, q.gather(1, col.clamp(min=0)[:, None])[:, 0], torch.zeros_like(tv))
+    p_x = torch.where(inside, p.gather(1, col.clamp(min=0)[:, None])[:, 0], torch.ones_like(tv))
+    ratio = torch.where(inside, (1.0 - q_x / p_x.clamp(min=1e-12)).clamp(min=0.0), torch.ones_like(tv))
+    w_next = ratio / tv  # weight of anchor a+1, from the block anchored at a
+    follows = torch.nonzero(anchors[1:] == anchors[:-1] + 1).flatten()  # j where anchor j+1 = anchor j + 1
+    sums[0] += float(accept[follows + 1].sum())
+    sums[1] += float(follows.numel())
+    sums[2] += float((w_next[follows] * accept[follows + 1]).sum())
+    sums[3] += float(w_next[follows].sum())
 
 
 def eval_replies(paths: list[str], tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,10 +149,11 @@ def main() -> None:
         dataset = [dataset[i] for i in range(min(args.limit, len(dataset)))]
     print("| draft | anchors | accept@1, plain | accept@1, after a rejection | mean weight |")
     print("|---|---:|---:|---:|---:|")
+    drafts = {}
     for spec in args.draft:
         name, _, folder = spec.partition("=")
-        draft = DSparkDraftModel.from_pretrained(folder, target=target).float().eval()
-        r = first_token_rates(draft, target, dataset)
+        drafts[name] = DSparkDraftModel.from_pretrained(folder, target=target).float().eval()
+    for name, r in first_token_rates(drafts, target, dataset).items():
         print(
             f"| `{name}` | {r['anchors']:.0f} | {r['plain']:.3f} | {r['after_rejection']:.3f} | {r['mean_weight']:.2f} |"
         )
