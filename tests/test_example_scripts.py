@@ -48,9 +48,9 @@ def test_grow_rank_widens_the_markov_head_without_changing_what_the_draft_comput
 
 def test_first_token_gap_scores_the_first_drafted_token_as_training_does():
     """The script's plain mean is training's accept@1 over the same anchors; its weights average about 1."""
-    from dspark_hf.model.modeling import block_attention_mask
     from dspark_hf.train.features import target_features, target_logits
     from dspark_hf.train.losses import build_blocks, dspark_loss, valid_anchor_positions
+    from dspark_hf.train.trainer import forward_blocks
 
     gap = _script("first_token_gap")
     target = make_target(dtype=torch.float32)
@@ -69,13 +69,7 @@ def test_first_token_gap_scores_the_first_drafted_token_as_training_does():
         feats = target_features(target, list(draft.config.target_layer_ids), ids_, torch.ones_like(ids_))
         blocks = build_blocks(ids_, mask_, [anchors], draft.config.block_size, draft.config.mask_token_id)
         with torch.no_grad():
-            out = draft(
-                target_hidden_states=feats.context,
-                input_ids=blocks.input_ids,
-                position_ids=blocks.position_ids,
-                prev_token_ids=blocks.prev_token_ids,
-                attention_mask=block_attention_mask(blocks.anchors, ids.numel(), draft.config.block_size),
-            )
+            out = forward_blocks(draft, feats.context, blocks)
         loss = dspark_loss(
             out.logits,
             target_logits(target, feats.final, blocks.target_positions),

@@ -18,6 +18,7 @@ from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments,
 from dspark_hf.train.data import load_token_dataset
 from dspark_hf.train.features import target_features, target_logits
 from dspark_hf.train.losses import IGNORE_INDEX, acceptance_estimates, build_blocks, dspark_loss, position_weights
+from dspark_hf.train.trainer import forward_blocks
 from train_helpers import make_char_tokenizer, make_chat_target
 
 from helpers import make_target
@@ -163,17 +164,9 @@ def _subset_step(target, draft, subset, seq_len: int = 20):
 def _exact_and_renormalised_acceptance(target, draft, subset, ids, blocks):
     """`Σ_S min(q, p_full)` (what verification accepts with) and `Σ_S min(q, p_S / Σ_S p)` (the old label),
     per slot, with `p` from an independent full forward of the target (its own LM head over all V columns)."""
-    gamma = draft.config.block_size
     feats = target_features(target, list(draft.config.target_layer_ids), ids[None], torch.ones_like(ids[None]))
     with torch.no_grad():
-        out = draft(
-            target_hidden_states=feats.context,
-            input_ids=blocks.input_ids,
-            position_ids=blocks.position_ids,
-            prev_token_ids=blocks.prev_token_ids,
-            attention_mask=block_attention_mask(blocks.anchors, ids.numel(), gamma),
-            restrict_vocab=True,
-        )
+        out = forward_blocks(draft, feats.context, blocks, restrict_vocab=True)
         full = target(ids[None]).logits.double()  # [1, T, V]
     q = out.logits.double().softmax(-1)
     p_full = full.softmax(-1)[0, blocks.target_positions[0]][None]  # [1, S, V]

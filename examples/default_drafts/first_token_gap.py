@@ -33,10 +33,10 @@ import torch
 from dspark_hf import DSparkDraftModel
 from dspark_hf.default_model import chat_inputs
 from dspark_hf.evaluation.prompt_sets import load_prompt_set
-from dspark_hf.model.modeling import block_attention_mask
 from dspark_hf.train.data import load_target, load_token_dataset
 from dspark_hf.train.features import log_partition_at, target_features, target_logits
 from dspark_hf.train.losses import build_blocks, valid_anchor_positions
+from dspark_hf.train.trainer import forward_blocks
 
 
 @torch.no_grad()
@@ -71,14 +71,7 @@ def _accumulate(sums: list, draft, target, feats, ids, mask, anchors) -> None:
     gamma = draft.config.block_size
     vocab_ids = getattr(draft, "draft_vocab_ids", None)
     blocks = build_blocks(ids, mask, [anchors], gamma, draft.config.mask_token_id)
-    out = draft(
-        target_hidden_states=feats.context,
-        input_ids=blocks.input_ids,
-        position_ids=blocks.position_ids,
-        prev_token_ids=blocks.prev_token_ids,
-        attention_mask=block_attention_mask(blocks.anchors, ids.shape[1], gamma),
-        **({"restrict_vocab": True} if vocab_ids is not None else {}),
-    )
+    out = forward_blocks(draft, feats.context, blocks, restrict_vocab=vocab_ids is not None)
     slot0 = torch.arange(anchors.numel()) * gamma  # slot 0 of each block predicts x_{a+1}
     q = torch.softmax(out.logits[0, slot0].float(), dim=-1)
     positions = blocks.target_positions[:, slot0]

@@ -33,7 +33,7 @@ from .args import DataArguments, LoraArguments, ModelArguments, TrainArguments, 
 from .checkpoint import gather_states, load_checkpoint, prune_checkpoints, resolve_resume, save_checkpoint
 from .data import TokenDataset, load_target, load_token_dataset
 from .features import FeatureCache, log_partition_at, pad_features, target_features, target_logits
-from .losses import IGNORE_INDEX, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
+from .losses import IGNORE_INDEX, Blocks, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -103,6 +103,27 @@ def micro_batch_items(
     return items
 
 
+def forward_blocks(model, context: torch.Tensor, blocks: Blocks, restrict_vocab: bool = False):
+    """The draft's teacher-forced forward over `blocks` (from [`build_blocks`]) packed in one pass, each block
+    seeing the target context before its anchor and its own block ([`block_attention_mask`]).
+
+    Args:
+        model: a [`DSparkDraftModel`] (or a PEFT model around one).
+        context (`torch.Tensor` of shape `(B, T, m·d)`): the target's selected-layer features of the sequences.
+        blocks ([`Blocks`]): the blocks to draft.
+        restrict_vocab (`bool`, *optional*, defaults to `False`): logits over the draft vocabulary subset only.
+    """
+    block_size = blocks.input_ids.shape[1] // blocks.anchors.shape[1]
+    return model(
+        target_hidden_states=context,
+        input_ids=blocks.input_ids,
+        position_ids=blocks.position_ids,
+        prev_token_ids=blocks.prev_token_ids,
+        attention_mask=block_attention_mask(blocks.anchors, context.shape[1], block_size),
+        **({"restrict_vocab": True} if restrict_vocab else {}),
+    )
+
+
 class _BlockStep:
     """Builds one micro-batch (features, anchors, blocks) and computes its loss."""
 
@@ -146,14 +167,7 @@ class _BlockStep:
         blocks = build_blocks(input_ids, loss_mask, anchors, self.gamma, self.mask_token_id)
         subset = self.vocab_ids is not None
         with self.autocast():
-            out = model(
-                target_hidden_states=feats.context,
-                input_ids=blocks.input_ids,
-                position_ids=blocks.position_ids,
-                prev_token_ids=blocks.prev_token_ids,
-                attention_mask=block_attention_mask(blocks.anchors, length, self.gamma),
-                **({"restrict_vocab": True} if subset else {}),
-            )
+            out = forward_blocks(model, feats.context, blocks, restrict_vocab=subset)
         t_logits = target_logits(self.target, feats.final, blocks.target_positions, self.vocab_ids)
         # Over a subset, the full vocabulary's log-partition makes p the target's full distribution on it
         # (a feature cache stored it per token; online it is computed at the trained positions).
