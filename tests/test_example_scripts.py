@@ -82,3 +82,52 @@ def test_first_token_gap_scores_the_first_drafted_token_as_training_does():
     assert rates["plain"] == pytest.approx(1.0 - tv_sum / count, abs=1e-5)
     assert 0.0 < rates["after_rejection"] < 1.0 and rates["after_rejection"] != pytest.approx(rates["plain"])
     assert 0.5 < rates["mean_weight"] < 2.0
+
+
+def test_round8_code_prompts_ask_as_humaneval_asks_and_stop_at_the_docstring(tmp_path):
+    """Round 8's code prompts wrap a function's header and docstring exactly as the HumanEval set wraps a task."""
+    import sys
+
+    from dspark_hf.evaluation.prompt_sets import load_prompt_set
+
+    round8 = _script("round8_data")
+    task = load_prompt_set("humaneval", limit=1)[0]
+    assert round8.CODE_REQUEST.format(task.reference["task"]["prompt"]) == task.prompt
+    source = '''
+def documented(a, b=2):
+    """Add two numbers and say so at some length, long enough to keep."""
+    return a + b
+
+
+def bare(a):
+    """A docstring with nothing after it is no function to complete."""
+
+
+def short(a):
+    """Too short."""
+    return a
+
+
+def _private(a):
+    """Private helpers are left out however long their docstring is."""
+    return a
+
+
+class Box:
+    def method(self, x):
+        """A method, dedented to the left margin like a function would be."""
+        return x
+'''
+    (tmp_path / "round8_probe.py").write_text(source)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = round8.quietly_import("round8_probe")
+    finally:
+        sys.path.remove(str(tmp_path))
+    stubs = dict(round8.function_stubs(module, min_doc=40, max_doc=900))
+    assert sorted(stubs) == ["documented", "method"]
+    assert stubs["documented"] == (
+        'def documented(a, b=2):\n    """Add two numbers and say so at some length, long enough to keep."""\n'
+    )
+    assert stubs["method"].startswith('def method(self, x):\n    """A method') and "return" not in stubs["method"]
+    assert round8.quietly_import("antigravity") is None and round8.quietly_import("no_such_module_here") is None
