@@ -12,9 +12,8 @@ a run stopped at a time limit then keeps a sample of every length and source, no
 
 import argparse
 import random
-from pathlib import Path
 
-from prompt_files import sort_shortest_first, write_jsonl
+from prompt_files import write_in_length_chunks
 
 from dspark_hf.evaluation.prompt_sets import calibration_prompts, training_chat_pool, training_prompts
 
@@ -31,13 +30,4 @@ chat = [{"prompt": p, "source": "sharegpt"} for p in training_chat_pool() if p n
 drawn = training_prompts(0, 10_000, args.math, seed=args.seed)
 code = [r for r in drawn if r["source"] == "stdlib"] * args.code_repeats
 math = [r for r in drawn if r["source"] == "math" and r["prompt"] not in calibration]
-rows = chat + code + math
-sort_shortest_first(rows)
-chunks = [rows[i : i + args.chunk] for i in range(0, len(rows), args.chunk)]
-random.Random(args.seed).shuffle(chunks)
-rows = [row for chunk in chunks for row in chunk]
-out = Path(args.output)
-out.parent.mkdir(parents=True, exist_ok=True)
-write_jsonl(out, rows)
-counts = {k: sum(r["source"] == k for r in rows) for k in ("sharegpt", "stdlib", "math")}
-print(f"wrote {len(rows)} prompts in {len(chunks)} chunks of {args.chunk} to {out} ({counts})")
+print(write_in_length_chunks(args.output, chat + code + math, args.chunk, random.Random(args.seed)))

@@ -85,7 +85,7 @@ def function_stubs(module, min_doc: int, max_doc: int):
 
 
 def main() -> None:
-    from prompt_files import sort_shortest_first, write_jsonl
+    from prompt_files import write_in_length_chunks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="data/prompts_round8.jsonl")
@@ -130,15 +130,7 @@ def main() -> None:
         item.prompt for name in ("gsm8k", "humaneval", "mtbench", "sharegpt") for item in load_prompt_set(name)
     }
     rows = [r for r in code + chat + math if r["prompt"] not in evaluation]
-    sort_shortest_first(rows)
-    chunks = [rows[i : i + args.chunk] for i in range(0, len(rows), args.chunk)]
-    rng.shuffle(chunks)
-    rows = [row for chunk in chunks for row in chunk]
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out, rows)
-    counts = {k: sum(r["source"] == k for r in rows) for k in ("code", "sharegpt", "math")}
-    print(f"{len(seen)} function stubs found; wrote {len(rows)} prompts in {len(chunks)} chunks to {out} ({counts})")
+    print(f"{len(seen)} function stubs found; " + write_in_length_chunks(args.output, rows, args.chunk, rng))
 
 
 if __name__ == "__main__":
