@@ -72,16 +72,15 @@ def function_stubs(module, min_doc: int, max_doc: int):
     except (OSError, TypeError, SyntaxError, ValueError):
         return
     lines = source.splitlines()
-    nodes = [(n, False) for n in tree.body]
-    nodes += [(m, True) for n in tree.body if isinstance(n, ast.ClassDef) for m in n.body]
-    for node, method in nodes:
+    nodes = tree.body + [m for n in tree.body if isinstance(n, ast.ClassDef) for m in n.body]
+    for node in nodes:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
         doc = ast.get_docstring(node)
         if not doc or not min_doc <= len(doc) <= max_doc or len(node.body) < 2:
             continue
         stub = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno]) + "\n"
-        yield node.name, textwrap.dedent(stub) if method else stub
+        yield node.name, textwrap.dedent(stub)  # a method's stub starts at the left margin like a function's
 
 
 def main() -> None:
@@ -100,7 +99,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     rng = random.Random(args.seed)
 
-    humaneval_names = {item.reference["task"]["entry_point"] for item in load_prompt_set("humaneval")}
+    evaluation = {name: load_prompt_set(name) for name in ("gsm8k", "humaneval", "mtbench", "sharegpt")}
+    humaneval_names = {item.reference["task"]["entry_point"] for item in evaluation["humaneval"]}
     stubs, seen = {}, set()  # top-level package -> its stubs
     tops = sorted(n for n in sys.stdlib_module_names if not n.startswith("_")) + list(PACKAGES)
     for top in tops:
@@ -126,10 +126,8 @@ def main() -> None:
     calibration = {r["prompt"] for r in calibration_prompts(160, n_chat_trained=1100, seed=0)}
     math = [r for r in training_prompts(0, 0, args.math, seed=args.seed) if r["prompt"] not in calibration]
 
-    evaluation = {
-        item.prompt for name in ("gsm8k", "humaneval", "mtbench", "sharegpt") for item in load_prompt_set(name)
-    }
-    rows = [r for r in code + chat + math if r["prompt"] not in evaluation]
+    evaluation_prompts = {item.prompt for items in evaluation.values() for item in items}
+    rows = [r for r in code + chat + math if r["prompt"] not in evaluation_prompts]
     print(f"{len(seen)} function stubs found; " + write_in_length_chunks(args.output, rows, args.chunk, rng))
 
 
