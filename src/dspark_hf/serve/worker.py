@@ -106,7 +106,8 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             while not self._stop:
-                self._apply_commands()
+                if self._apply_commands() and not self.engine.has_unfinished():
+                    self._settle()
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._fail_all(ShutdownCancelled("the server shut down before this request finished"))
                 if not self.engine.has_unfinished():
@@ -127,12 +128,14 @@ class EngineWorker:
         finally:
             self._fail_all(ShutdownCancelled("the server stopped before this request finished"))
 
-    def _apply_commands(self) -> None:
+    def _apply_commands(self) -> bool:
+        """Apply the queued adds and cancels; returns whether a request was cancelled in the engine."""
+        cancelled = False
         while True:
             try:
                 kind, ticket = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return cancelled
             if kind == "add":
                 if ticket.done:  # cancelled before it reached the engine
                     continue
@@ -143,9 +146,19 @@ class EngineWorker:
                 with self.lock:
                     self.engine.cancel(ticket.request_id)
                 self._tickets.pop(ticket.request_id, None)
-                ticket.done = True
+                ticket.done = cancelled = True
             else:
                 ticket.done = True  # cancel before add: the add is skipped
+
+    def _settle(self) -> None:
+        """An empty round, after a cancel that left the engine idle: the engine records its gauges (active
+        requests, KV tokens) at the end of a round, and without one `/metrics` would show the cancelled request
+        as still active."""
+        try:
+            with self.lock:
+                self._deliver(self.engine.step())
+        except Exception:  # a gauge refresh must not stop the worker
+            logger.exception("the engine's empty round after a cancel failed")
 
     def _deliver(self, events: list[StreamEvent]) -> None:
         served = set()
