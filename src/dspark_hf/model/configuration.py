@@ -18,6 +18,7 @@ LAYER_STYLES = ("qwen3", "gemma4")
 # Rotary types the draft layers compute exactly as transformers' rotary classes do. "dynamic" and "longrope"
 # change their frequencies with the sequence length at run time and are refused rather than approximated.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 EMBEDDING_LAYER_ID = -1  # in `target_layer_ids`: the target's embedding output (DeepSpec's convention)
 
 
@@ -105,6 +106,21 @@ class DSparkConfig(PreTrainedConfig):
         attention_bias (`bool`, *optional*, defaults to `False`): bias on the q/k/v/o projections.
         initializer_range (`float`, *optional*, defaults to 0.02): std of the normal weight init.
         block_size (`int`, *optional*, defaults to 7): γ, the number of tokens drafted per round.
+        sample_from_anchor (`bool`, *optional*, defaults to `True`): the block layout. `True` (DeepSpec's, and
+            speculators' DSpark default): the backbone runs `[anchor, mask × (γ-1)]` and slot `k` drafts the token
+            at `anchor + k + 1`. `False` (DFlash's layout, speculators' `sample_from_anchor: false`): the backbone
+            runs `[anchor, mask × γ]` (γ + 1 slots) and slot `j ≥ 1` drafts the token at `anchor + j`; the anchor
+            slot's output is unused. Either way `block_size` tokens are drafted and the sequential head reads the
+            token before each drafted one (the anchor for the first). `rnn` heads need `True` (their state would
+            run through the unused anchor slot).
+        layer_types (`list[str]`, *optional*): per draft layer, `"full_attention"` (the block sees all of its
+            context and itself, bidirectionally) or `"sliding_attention"` (the block sees only the
+            `sliding_window` context tokens before its anchor, and, unless `sliding_window_non_causal`, the slots of
+            its block up to its own). `None` (the default): every layer is full attention.
+        sliding_window (`int`, *optional*): W, the context tokens a sliding layer's block sees (positions
+            `anchor - W … anchor - 1`); required when a layer is `"sliding_attention"`.
+        sliding_window_non_causal (`bool`, *optional*, defaults to `False`): sliding layers attend within the block
+            bidirectionally (as full layers do) instead of causally.
         target_layer_ids (`list[int]`, *optional*):
             0-based target layers whose outputs form the context features. Defaults to
             [`default_target_layer_ids`] of `target_num_hidden_layers`.
@@ -171,6 +187,10 @@ class DSparkConfig(PreTrainedConfig):
     attention_bias: bool = False
     initializer_range: float = 0.02
     block_size: int = 7
+    sample_from_anchor: bool = True
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    sliding_window_non_causal: bool = False
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     sequential_head: str = "markov"
@@ -211,6 +231,8 @@ class DSparkConfig(PreTrainedConfig):
                 )
             self.target_layer_ids = default_target_layer_ids(self.target_num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
         if self.calibration_temperatures is None:
             self.calibration_temperatures = [1.0] * self.block_size
         self.calibration_temperatures = [float(t) for t in self.calibration_temperatures]
@@ -330,6 +352,30 @@ class DSparkConfig(PreTrainedConfig):
         cap = self.final_logit_softcapping
         if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
             raise ValueError(f"DSparkConfig.final_logit_softcapping must be None or > 0, got {cap!r}.")
+        types = self.layer_types
+        if types is not None and (
+            len(types) != self.num_hidden_layers or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in types)
+        ):
+            raise ValueError(
+                f"DSparkConfig.layer_types={types!r} must give one of {FULL_ATTENTION!r} / {SLIDING_ATTENTION!r} for "
+                f"each of the {self.num_hidden_layers} draft layers."
+            )
+        window = self.sliding_window
+        if SLIDING_ATTENTION in (types or ()) and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ValueError(
+                f"DSparkConfig.sliding_window={window!r}: layer_types has sliding layers, which need a positive "
+                "integer window (the context tokens before the anchor that a sliding layer's block sees)."
+            )
+        if not isinstance(self.sample_from_anchor, bool):
+            raise ValueError(f"DSparkConfig.sample_from_anchor must be true or false, got {self.sample_from_anchor!r}.")
+        if not self.sample_from_anchor and self.sequential_head == "rnn":
+            raise ValueError(
+                "DSparkConfig.sample_from_anchor=False (the DFlash block layout) is not supported with "
+                "sequential_head='rnn': the recurrent state would pass through the anchor slot, whose output is not "
+                "drafted. Use sample_from_anchor=True, or a 'markov' / 'gated' / 'none' head."
+            )
         rope = self.rope_parameters
         rope_type = rope.get("rope_type")
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -355,6 +401,16 @@ class DSparkConfig(PreTrainedConfig):
     def num_target_features(self) -> int:
         """`int`: number of target layers fused into the context features (`m`)."""
         return len(self.target_layer_ids)
+
+    def layer_type(self, index: int) -> str:
+        """`str`: the attention type of draft layer `index` (`"full_attention"` or `"sliding_attention"`)."""
+        return FULL_ATTENTION if self.layer_types is None else self.layer_types[index]
+
+    @property
+    def backbone_slots(self) -> int:
+        """`int`: slots per block the backbone runs: `block_size`, or `block_size + 1` in the DFlash layout
+        (`sample_from_anchor=False`)."""
+        return self.block_size + (0 if self.sample_from_anchor else 1)
 
     @property
     def uses_markov_feature(self) -> bool:

@@ -673,6 +673,11 @@ def _lean_draft_eligible(layer: nn.Module) -> bool:
         and attn.v_norm is None
         and not attn.k_eq_v
         and attn.scale is None
+        # full attention only (a sliding layer builds its own mask), and the anchor-slot block layout: the compiled
+        # drafting round (`dspark_hf.decoding.compiled`, which needs every layer lean) runs a block of block_size
+        # slots itself, without `run_backbone`'s DFlash-layout slot
+        and attn.sliding_window is None
+        and config.sample_from_anchor
         and all(isinstance(lin, nn.Linear) and lin.weight.dtype == torch.float32 for lin in linears)
         and all(lin.weight.device.type == "cpu" for lin in linears)
         and all(_plain(m) for m in [layer, attn, mlp, *linears])

@@ -9,6 +9,11 @@ for weight (so import and export are renames-free copies):
   and MLP), an unscaled RMSNorm on the values, attention scale 1, optionally values equal to the key
   projection (`attention_k_eq_v`), and a learned scalar on each layer's output.
 
+Either style's layer can be a full-attention layer (the block sees all of its context and itself,
+bidirectionally) or a sliding-window layer (`DSparkConfig.layer_types`): the block then sees only the
+`sliding_window` context tokens before its anchor and, unless `sliding_window_non_causal`, its own slots up to
+the query's, as speculators trains such layers.
+
 The rotary embedding is computed by transformers' own functions (`ROPE_INIT_FUNCTIONS` for YaRN, llama3,
 linear and proportional rotary), so a draft rotates exactly like its target family; the activation comes from
 `transformers.activations.ACT2FN`.
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .configuration import DSparkConfig
+from .configuration import SLIDING_ATTENTION, DSparkConfig
 
 
 class RMSNorm(nn.Module):
@@ -111,10 +116,18 @@ class RotaryEmbedding:
 
 
 class DSparkAttention(nn.Module):
-    """Attention whose queries come from the block and whose keys/values cover `[context ; block]`."""
+    """Attention whose queries come from the block and whose keys/values cover `[context ; block]`.
 
-    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding) -> None:
+    Layer `layer_idx` of a draft whose `config.layer_types` makes it `"sliding_attention"` has `sliding_window`
+    set: see [`sliding_mask`].
+    """
+
+    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
+        sliding = config.layer_type(layer_idx) == SLIDING_ATTENTION
+        self.sliding_window = config.sliding_window if sliding else None
+        self.causal_block = sliding and not config.sliding_window_non_causal
+        self.block_slots = config.backbone_slots
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -160,9 +173,39 @@ class DSparkAttention(nn.Module):
             repeat = self.num_heads // self.num_kv_heads
             keys = keys.repeat_interleave(repeat, dim=1)
             values = values.repeat_interleave(repeat, dim=1)
+        if self.sliding_window is not None:
+            attention_mask = self.sliding_mask(positions, ctx_keys.shape[-2], attention_mask)
         # No causal mask: the block is bidirectional and sees all (already position-filtered) context.
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def sliding_mask(
+        self, positions: torch.Tensor, context_length: int, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The sliding layer's mask `[B, 1, S, T + S]` (`True` = may attend), within `attention_mask` if given.
+
+        The `S` block slots are blocks of `block_slots` (several packed in training); context key `j` is the token
+        at position `j` (the draft's context holds every committed token from position 0 on). A query of the block
+        anchored at `a` (the position of its block's first slot) sees context positions `a - W … a - 1` and the
+        slots of its own block, only those up to its own unless the window is non-causal: the mask speculators
+        trains sliding layers with (`create_anchor_block_mask_mod`), whose window is counted from the anchor.
+        """
+        bsz, length = positions.shape
+        slots = self.block_slots
+        device = positions.device
+        anchor = positions.reshape(bsz, length // slots, slots)[..., :1].expand(-1, -1, slots).reshape(bsz, length)
+        ctx = torch.arange(context_length, device=device)
+        see_ctx = (ctx[None, None, :] >= (anchor - self.sliding_window)[:, :, None]) & (
+            ctx[None, None, :] < anchor[:, :, None]
+        )
+        slot = torch.arange(length, device=device)
+        see_blk = slot[:, None] // slots == slot[None, :] // slots
+        if self.causal_block:
+            see_blk = see_blk & (slot[None, :] <= slot[:, None])
+        mask = torch.cat([see_ctx, see_blk[None].expand(bsz, -1, -1)], dim=-1)[:, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask.to(torch.bool)
+        return mask
 
 
 class DSparkMLP(nn.Module):
@@ -182,9 +225,9 @@ class DSparkMLP(nn.Module):
 class DSparkDecoderLayer(nn.Module):
     """Pre-norm decoder layer (Qwen3 style: RMSNorm on queries and keys) with context KV injection."""
 
-    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = DSparkAttention(config, rotary)
+        self.self_attn = DSparkAttention(config, rotary, layer_idx)
         self.mlp = DSparkMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -202,10 +245,10 @@ class Gemma4DecoderLayer(nn.Module):
     wrap the MLP, and `layer_scalar` is a saved buffer.
     """
 
-    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: DSparkConfig, rotary: RotaryEmbedding, layer_idx: int = 0) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = DSparkAttention(config, rotary)
+        self.self_attn = DSparkAttention(config, rotary, layer_idx)
         self.mlp = DSparkMLP(config)
         self.input_layernorm = GemmaRMSNorm(d, eps)
         self.post_attention_layernorm = GemmaRMSNorm(d, eps)
@@ -227,7 +270,7 @@ def build_layers(config: DSparkConfig) -> nn.ModuleList:
     """The draft's `config.num_hidden_layers` decoder layers, sharing one rotary embedding."""
     rotary = RotaryEmbedding(config)
     layer_cls = DECODER_LAYERS[config.layer_style]
-    return nn.ModuleList(layer_cls(config, rotary) for _ in range(config.num_hidden_layers))
+    return nn.ModuleList(layer_cls(config, rotary, i) for i in range(config.num_hidden_layers))
 
 
 def final_norm(config: DSparkConfig) -> nn.Module:

@@ -392,9 +392,38 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         blocks share one forward (training); a single block sees all of its context and itself.
         """
         x = block_embeds.to(self.dtype)
+        if not self.config.sample_from_anchor:
+            x, positions, attention_mask = self._dflash_layout(x, positions, attention_mask)
         for layer, (keys, values) in zip(self.layers, context_kv):
             x = layer(x, positions, keys, values, attention_mask)
+        if not self.config.sample_from_anchor:  # the anchor slot drafts nothing in this layout
+            bsz, length, width = x.shape
+            x = x.reshape(bsz, -1, self.config.block_size + 1, width)[:, :, 1:].reshape(bsz, -1, width)
         return self.norm(x)
+
+    def _dflash_layout(
+        self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Blocks `[anchor, mask × (γ-1)]` → the DFlash layout's `[anchor, mask × γ]` (`sample_from_anchor=False`).
+
+        Each block of `γ` slots gets one more mask slot at the next position, so that its slots `1..γ` draft the
+        tokens at `anchor + 1 … anchor + γ`. The new slot's mask row and column are those of a slot of the same
+        block (the masks this model is given treat a block's slots alike: same context, the whole block).
+        """
+        gamma = self.config.block_size
+        bsz, length, width = x.shape
+        blocks = length // gamma
+        mask_embed = self.embed_tokens(torch.tensor([self.config.mask_token_id], device=x.device))
+        x = torch.cat([x.reshape(bsz, blocks, gamma, width), mask_embed.expand(bsz, blocks, 1, width)], dim=2)
+        pos = positions.reshape(bsz, blocks, gamma)
+        positions = torch.cat([pos, pos[..., -1:] + 1], dim=2).reshape(bsz, -1)
+        if attention_mask is not None:  # extended slot -> a slot of the same block in the given mask
+            source = torch.arange(blocks * (gamma + 1), device=x.device)
+            source = (source // (gamma + 1)) * gamma + (source % (gamma + 1)).clamp(max=gamma - 1)
+            context = attention_mask.shape[-1] - length
+            columns = torch.cat([torch.arange(context, device=x.device), context + source])
+            attention_mask = attention_mask[:, :, source][..., columns]
+        return x.reshape(bsz, -1, width), positions, attention_mask
 
     def forward(
         self,
