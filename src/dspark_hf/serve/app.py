@@ -1,67 +1,37 @@
 """The ASGI app: OpenAI-compatible endpoints over one [`DSparkEngine`], with admission control and metrics.
 
-Request path: parse and validate the body (strict schema) → check the API key, the model name and the
-per-request limits → admit it if fewer than `max_batch_size + max_queue` requests are in flight (else `429`)
-→ hand it to the engine's worker thread, which adds it to the running batch at the next round → relay the
-worker's events to the client (all at once, or as server-sent events).
+Request path: check the `Host` header (allow-list), the API key and the `Content-Type` → read the body, at most
+`max_body_bytes` within `body_timeout` seconds → parse and validate it (strict schema) → check the model name and
+the per-request limits (prompt length in characters, then in tokens) → admit it if fewer than
+`max_batch_size + max_queue` requests are in flight (else `429`) → hand it to the engine's worker thread, which
+adds it to the running batch at the next round → relay the worker's events to the client (all at once, or as
+server-sent events) while watching for the client to leave. Every check before admission is bounded work on
+the event loop; prompts are tokenized in a thread of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import hmac
 import json
 import logging
 import time
-from collections.abc import Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..decoding.engine import DSparkEngine, RequestOutput, StreamEvent
+from .limits import HostCheck, ServeConfig, check_content_type, read_body
 from .metrics import ServeMetrics
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, finish_reason, new_id, now, parse
+from .prompts import PromptTokenizer
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, finish_reason, new_id, now, parse, short
+from .stops import StopMatcher
 from .worker import EngineWorker, ShutdownCancelled, Ticket
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServeConfig:
-    """Limits and identity of one server.
-
-    Args:
-        model_name (`str`, *optional*, defaults to `"dspark"`): the id `/v1/models` lists; requests naming
-            another model get `404`.
-        max_queue (`int`, *optional*, defaults to 32): requests admitted beyond the engine's running batch; with
-            `max_batch_size + max_queue` requests in flight, new ones get `429` with `Retry-After`.
-        max_prompt_tokens (`int`, *optional*, defaults to 2048): longest prompt accepted, in tokens.
-        max_new_tokens (`int`, *optional*, defaults to 512): the most `max_tokens` a request may ask for, and
-            what it gets when it asks for nothing.
-        api_key (`str`, *optional*): when set, `/v1/*` requires `Authorization: Bearer <api_key>`.
-        shutdown_timeout (`float`, *optional*, defaults to 30): seconds in-flight requests get to finish after
-            SIGTERM before they are cancelled.
-        retry_after (`int`, *optional*, defaults to 1): the `Retry-After` header of a `429`, in seconds.
-    """
-
-    model_name: str = "dspark"
-    max_queue: int = 32
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 512
-    api_key: str | None = None
-    shutdown_timeout: float = 30.0
-    retry_after: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_queue", "max_prompt_tokens", "max_new_tokens"):
-            low = 0 if name == "max_queue" else 1
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}.")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}.")
+__all__ = ["ServeConfig", "ServerState", "create_app"]
 
 
 class _Disconnected(Exception):
@@ -75,8 +45,7 @@ class ServerState:
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer: DSparkEngine(target, draft, tokenizer, ...).")
         self.engine, self.config = engine, config
-        # the worker decodes with engine.tokenizer; the handlers encode with their own copy (no shared state)
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.prompts = PromptTokenizer(engine.tokenizer, config.max_prompt_tokens, config.max_prompt_chars)
         self.capacity = engine.max_batch_size + config.max_queue
         self.kernels = getattr(engine, "kernels", "stock")
         self.in_flight = 0
@@ -104,6 +73,7 @@ class ServerState:
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        self.prompts.close()
 
     @property
     def ready(self) -> bool:
@@ -131,43 +101,18 @@ class ServerState:
         if model is not None and model != self.config.model_name:
             raise ApiError(
                 404,
-                f"model {model!r} is not served here; this server serves {self.config.model_name!r} "
+                f"model {short(model)} is not served here; this server serves {self.config.model_name!r} "
                 "(see GET /v1/models), or leave 'model' out.",
                 param="model",
                 code="model_not_found",
             )
-
-    def prompt_ids(self, req) -> list[int]:
-        tok = self.tokenizer
-        if isinstance(req, ChatCompletionRequest):
-            messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-            try:
-                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            except Exception as err:  # the template's own checks (e.g. roles must alternate)
-                raise ApiError(400, f"the chat template refused these messages: {err}", param="messages") from None
-            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
-            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, f"one prompt per request, got {len(prompt)}; send them separately.", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(tok(prompt)["input_ids"])
-        return list(prompt)
 
     def admit(self, req, ids: list[int], param: str) -> Ticket:
         cfg = self.config
         if not ids:
             raise ApiError(400, "the prompt is empty; send at least one token of text.", param=param)
         if len(ids) > cfg.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt has {len(ids)} tokens but this server's limit (max_prompt_tokens) is "
-                f"{cfg.max_prompt_tokens}; shorten it.",
-                param=param,
-                code="max_prompt_tokens",
-            )
+            raise self.prompts.too_long(f"{len(ids)} tokens", param)
         asked = req.requested_max_tokens()
         if asked is not None and asked > cfg.max_new_tokens:
             raise ApiError(
@@ -206,11 +151,19 @@ class ServerState:
             self.metrics.cancelled.labels(reason or "disconnect").inc()
 
 
+async def _client_gone(request) -> None:
+    """Return once the client has closed the connection. Only for after the body has been read: the next ASGI
+    message is then `http.disconnect`, which the server sends as soon as it sees the connection close."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.01)  # not expected once the body is read; never spin
+
+
 class _Run:
     """One admitted request as the handler sees it: events in, text out (stop strings applied)."""
 
     def __init__(self, state: ServerState, ticket: Ticket, stops: list[str], arrived: float) -> None:
-        self.state, self.ticket, self.stops = state, ticket, stops
+        self.state, self.ticket = state, ticket
+        self.stops = StopMatcher(stops) if stops else None
         self.arrived = self.last = arrived
         self.text, self.sent = "", 0
         self.token_ids: list[int] = []
@@ -219,21 +172,20 @@ class _Run:
         self.stream_started = False
         self._getter: asyncio.Task | None = None
 
-    async def next_event(self, request=None, poll: float = 0.5):
-        """The next event; with `request`, raise `_Disconnected` when the client leaves while waiting."""
+    async def next_event(self, gone: asyncio.Future | None = None):
+        """The next event; with `gone` (the client-left watcher), raise `_Disconnected` as soon as it is done."""
         queue = self.ticket.events
-        if request is None:
+        if gone is None:
             return await queue.get()
         if self._getter is None:
             self._getter = asyncio.ensure_future(queue.get())
-        while True:
-            done, _ = await asyncio.wait({self._getter}, timeout=poll)
-            if done:
-                item, self._getter = self._getter.result(), None
-                return item
-            if await request.is_disconnected():
-                self._getter.cancel()
-                raise _Disconnected
+        await asyncio.wait({self._getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if self._getter.done():
+            item, self._getter = self._getter.result(), None
+            return item
+        self._getter.cancel()
+        self._getter = None
+        raise _Disconnected
 
     def feed(self, item) -> str:
         """Take one worker item; returns the text that may be sent now. Raises for a failed request."""
@@ -249,17 +201,16 @@ class _Run:
         self.state.metrics.observe_tokens(t - self.last, len(event.token_ids), first=not self.token_ids)
         self.last = t
         self.token_ids += event.token_ids
-        self.text += event.text or ""
+        new = event.text or ""
+        self.text += new
         if event.finished:
             self.output = event.output
             self.reason = finish_reason(event.output.finish_reason)
         safe = len(self.text)
-        if self.stops:
-            longest = max(map(len, self.stops))
-            start = max(0, self.sent - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
-            if hits:
-                self.text = self.text[: min(hits)]
+        if self.stops is not None:
+            hit = self.stops.feed(new)  # reads each new character once per stop string
+            if hit is not None:
+                self.text = self.text[:hit]
                 safe = len(self.text)
                 if self.reason is None:  # the engine is still generating: drop it from the batch now
                     self.reason = "stop"
@@ -267,7 +218,7 @@ class _Run:
                 else:
                     self.reason = "stop"
             elif self.reason is None:  # hold back a tail that may be the start of a stop string
-                safe -= max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+                safe -= self.stops.pending
         out, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         if self.reason is not None:
             self.state.metrics.observe_finished(self.output or _partial(self), t - self.arrived)
@@ -306,6 +257,7 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
 
     app = FastAPI(title="dspark serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.add_middleware(HostCheck, config=state.config, rejected=state.metrics.rejected)
 
     def error_response(request, err: ApiError):
         state.metrics.requests.labels(request.url.path, str(err.status)).inc()
@@ -313,43 +265,48 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
 
     app.add_exception_handler(ApiError, error_response)
 
-    async def body_of(request) -> dict:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(
-                400, f"the request body is not valid JSON ({err}); send a JSON object.", code="json_invalid"
-            ) from None
+    limits = {"max_stop_strings": state.config.max_stop_strings, "max_stop_chars": state.config.max_stop_chars}
 
     async def complete(request, model_cls, chat: bool):
         arrived = time.perf_counter()
-        state.check_key(request)
-        req = parse(model_cls, await body_of(request))
-        state.check_model(req.model)
-        ticket = state.admit(req, state.prompt_ids(req), "messages" if chat else "prompt")
-        run = _Run(state, ticket, req.stop_strings(), arrived)
         path = request.url.path
+        state.check_key(request)
+        check_content_type(request, state.metrics.rejected)
         try:
-            # wait for the first event before answering, so a refused prompt is a 400, not a broken stream
-            first = run.feed(await run.next_event(request))
-        except _Disconnected:
-            state.release(ticket)
+            raw = await read_body(request, state.config, state.metrics.rejected)
+        except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing worth a traceback
             state.metrics.requests.labels(path, "499").inc()
-            return JSONResponse({}, status_code=499)
-        except BaseException:
-            state.release(ticket)
-            raise
-        if req.stream:
-            return _EventStream(_sse(state, run, req, chat, first, path), state, run, path)
+            return Response(status_code=499)
+        req = parse(model_cls, raw, limits)
+        del raw
+        state.check_model(req.model)
+        ticket = state.admit(req, await state.prompts.prompt_ids(req), "messages" if chat else "prompt")
+        run = _Run(state, ticket, req.stop_strings(), arrived)
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            while run.reason is None:
-                run.feed(await run.next_event(request))
-        except _Disconnected:
-            state.metrics.requests.labels(path, "499").inc()
-            return JSONResponse({}, status_code=499)
+            try:
+                # wait for the first event before answering, so a refused prompt is a 400, not a broken stream
+                first = run.feed(await run.next_event(gone))
+            except _Disconnected:
+                state.release(ticket)
+                state.metrics.requests.labels(path, "499").inc()
+                return JSONResponse({}, status_code=499)
+            except BaseException:
+                state.release(ticket)
+                raise
+            if req.stream:  # the streaming response watches for the client itself
+                gone.cancel()
+                return _EventStream(_sse(state, run, req, chat, first, path), state, run, path)
+            try:
+                while run.reason is None:
+                    run.feed(await run.next_event(gone))
+            except _Disconnected:
+                state.metrics.requests.labels(path, "499").inc()
+                return JSONResponse({}, status_code=499)
+            finally:
+                state.release(ticket)
         finally:
-            state.release(ticket)
+            gone.cancel()
         state.metrics.requests.labels(path, "200").inc()
         return JSONResponse(_full_body(state, run, req, chat))
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import threading
 
 from .._threads import run_in_fresh_thread
 from ..decoding.engine import DSparkEngine
 from ..model.kernels import recommended_kernels
 from .app import ServeConfig, create_app
+from .limits import default_allowed_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +84,37 @@ def load_app(
     return create_app(engine, config)
 
 
-def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port`, not yet listening (connections are refused until [`run`] serves on it).
+
+    `dspark serve` binds before loading the models, so that a port in use is reported at once instead of after
+    the load. Raises `OSError` (`socket.gaierror` for a host name that does not resolve).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", sock=None) -> None:
     """Serve `app` until SIGTERM or SIGINT, then drain: stop admitting, give in-flight requests the config's
-    `shutdown_timeout` to finish, cancel the rest, return (the process then exits 0)."""
+    `shutdown_timeout` to finish, cancel the rest, return (the process then exits 0).
+
+    `sock` (from [`bind_socket`]) serves on an already bound socket; `host` and `port` then only name it. A
+    config without `allowed_hosts` gets the loopback names when `host` is a loopback address (else any name).
+    """
     import uvicorn
 
     state = app.state.server
+    if state.config.allowed_hosts is None:
+        state.config.allowed_hosts = default_allowed_hosts(host)
     config = uvicorn.Config(
         app,
         host=host,
@@ -97,7 +124,7 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info")
         timeout_graceful_shutdown=state.config.shutdown_timeout + 5,
         lifespan="on",
     )
-    _DrainingServer(config, state).run()
+    _DrainingServer(config, state).run(sockets=None if sock is None else [sock])
 
 
 class _DrainingServer:

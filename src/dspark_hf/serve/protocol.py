@@ -1,10 +1,12 @@
 """The OpenAI wire format `dspark serve` speaks: request schemas (strict), error bodies, response chunks.
 
-Requests are validated with pydantic models that forbid unknown fields, so a misspelt parameter is a `400`
-naming it instead of being silently ignored. Fields of the OpenAI API that this server cannot honour are
-accepted only at their neutral value (`n=1`, zero penalties, no logprobs) and refused otherwise, with a
-message saying so. Extensions (also accepted by vLLM): `top_k`, `repetition_penalty`, `ignore_eos`,
-`return_token_ids`.
+Requests are validated with pydantic models in strict mode that forbid unknown fields, straight from the body's
+bytes: a misspelt parameter is a `400` naming it instead of being silently ignored, `"16"` or `true` is not an
+integer, numbers are finite and in range, and malformed JSON (a 5,000-digit number, arrays nested 100,000 deep, a
+lone surrogate) is a `400` too. Error messages quote at most a short prefix of what was received. Fields of the
+OpenAI API that this server cannot honour are accepted only at their neutral value (`n=1`, zero penalties, no
+logprobs) and refused otherwise, with a message saying so. Extensions (also accepted by vLLM): `top_k`,
+`repetition_penalty`, `ignore_eos`, `return_token_ids`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,25 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..decoding.engine import SamplingParams
+
+#: an error message is cut to this many characters, a quoted value to `_QUOTE` (bad values can be megabytes)
+MAX_ERROR_CHARS = 1000
+_QUOTE = 60
+#: temperatures in (0, MIN_TEMPERATURE) decode greedily, as vLLM does: dividing logits by 1e-300 overflows to
+#: inf and NaN probabilities, and anything this cold is greedy up to ties anyway
+MIN_TEMPERATURE = 1e-2
+
+
+def short(value: Any, limit: int = _QUOTE) -> str:
+    """`repr(value)`, cut to about `limit` characters (with the full length said) so a message stays small."""
+    if isinstance(value, (str, bytes, list, dict)) and len(value) > limit:
+        head = repr(value[:limit] if not isinstance(value, dict) else dict(list(value.items())[:3]))
+        return f"{head[:limit]}... ({len(value):,} {'characters' if isinstance(value, str) else 'items'})"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 class ApiError(Exception):
@@ -34,16 +52,20 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
+        """The JSON body; every part bounded (message, param and code cut to a few hundred characters)."""
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 401:
             kind = "authentication_error"
         elif self.status == 429:
             kind = "rate_limit_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        message = self.message if len(self.message) <= MAX_ERROR_CHARS else self.message[:MAX_ERROR_CHARS] + "..."
+        param = self.param if self.param is None or len(self.param) <= 100 else self.param[:100] + "..."
+        code = self.code if self.code is None or len(self.code) <= 100 else self.code[:100]
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. `name`; the chat template decides what it reads
+    model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`; the chat template decides what it reads
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -54,7 +76,7 @@ class _Message(BaseModel):
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ApiError(
-                        400, f"content part of type {part.get('type')!r} is not supported; send text parts only.",
+                        400, f"content part of type {short(part.get('type'))} is not supported; send text parts only.",
                         param="messages",
                     )  # fmt: skip
                 parts.append(part["text"])
@@ -62,15 +84,19 @@ class _Message(BaseModel):
         return self.content or ""
 
 
+_INT32 = 2**31 - 1
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no "16" for 16, no true for 1; floats must be finite (no Infinity/NaN literals)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1, le=_INT32)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=0, le=_INT32)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -78,7 +104,7 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool = False
     return_token_ids: bool = False
     logprobs: bool | int | None = None
@@ -106,10 +132,17 @@ class _Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v):
+    def _stops(cls, v, info: ValidationInfo):
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError(f"stop takes up to 4 non-empty strings, got {stops!r}")
+        limits = info.context or {}
+        count, chars = limits.get("max_stop_strings", 4), limits.get("max_stop_chars", 256)
+        longest = max(map(len, stops), default=0)
+        if len(stops) > count or longest > chars or any(not s for s in stops):
+            raise ValueError(
+                f"stop takes up to {count} non-empty strings of up to {chars} characters each (this server's "
+                f"max_stop_strings and max_stop_chars), got {len(stops):,} strings, the longest {longest:,} "
+                "characters"
+            )
         return stops
 
     def stop_strings(self) -> list[str]:
@@ -121,7 +154,7 @@ class _Common(BaseModel):
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         """OpenAI semantics: `temperature` defaults to 1 (sampling); `temperature=0` is greedy."""
         temperature = 1.0 if self.temperature is None else self.temperature
-        greedy = temperature == 0
+        greedy = temperature < MIN_TEMPERATURE
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
@@ -138,7 +171,7 @@ class ChatCompletionRequest(_Common):
     """`POST /v1/chat/completions` body."""
 
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -161,24 +194,33 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
-def parse(model_cls, body) -> BaseModel:
-    """Validate a decoded JSON body; the first problem becomes a `400` naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
+def parse(model_cls, raw: bytes, context: dict | None = None) -> BaseModel:
+    """Validate a raw JSON body (strictly, in one pass); the first problem becomes a `400` naming the field.
+
+    Args:
+        model_cls: the request schema.
+        raw (`bytes`): the body, already bounded in size.
+        context (`dict`, *optional*): limits the validators read (`max_stop_strings`, `max_stop_chars`).
+    """
     try:
-        return model_cls.model_validate(body)
+        return model_cls.model_validate_json(raw, strict=True, context=context)
     except ValidationError as err:
-        first = err.errors()[0]
+        first = err.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or None
-        if first["type"] == "extra_forbidden":
+        kind = first["type"]
+        if kind == "json_invalid":  # the parser's message says where; the input is the whole body, never quoted
+            message = f"the request body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')}); send a JSON object."
+            raise ApiError(400, message, code="json_invalid") from None
+        if kind == "model_type" and field is None:
+            message = f"the request body must be a JSON object, got {short(first.get('input'))}."
+        elif kind == "extra_forbidden":
             allowed = ", ".join(sorted(model_cls.model_fields))
-            message = f"unknown field {field!r}; the fields this endpoint accepts are: {allowed}."
-        elif first["type"] == "missing":
-            message = f"field {field!r} is required."
+            message = f"unknown field {short(field)}; the fields this endpoint accepts are: {allowed}."
+        elif kind == "missing":
+            message = f"field {short(field)} is required."
         else:
-            got = first.get("input")
-            message = f"{field}: {first['msg'].removeprefix('Value error, ')} (got {got!r})."
-        raise ApiError(400, message, param=field, code=first["type"]) from None
+            message = f"{field}: {first['msg'].removeprefix('Value error, ')} (got {short(first.get('input'))})."
+        raise ApiError(400, message, param=field, code=kind) from None
 
 
 def new_id(prefix: str) -> str:
