@@ -160,7 +160,7 @@ def test_speculators_export_round_trip_exact(tmp_path, target):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"sample_from_anchor": False}, "sample_from_anchor"),
+        ({"sample_from_anchor": "no"}, "sample_from_anchor"),
         ({"markov_head_type": "lstm"}, "markov_head_type"),
         ({"mask_token_id": None}, "mask_token_id"),
     ],
@@ -169,14 +169,6 @@ def test_unsupported_speculators_settings_are_refused(tmp_path, target, change, 
     cfg = write_speculators_checkpoint(tmp_path, target)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=match):
-        DSparkDraftModel.from_pretrained(tmp_path, target=target)
-
-
-def test_sliding_window_draft_layers_are_refused(tmp_path, target):
-    cfg = write_speculators_checkpoint(tmp_path, target)
-    cfg["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="full-attention only"):
         DSparkDraftModel.from_pretrained(tmp_path, target=target)
 
 
@@ -199,3 +191,15 @@ def test_cli_export_speculators(tmp_path, target):
     loaded = DSparkDraftModel.from_pretrained(tmp_path / "out", target=target)
     inputs = block_inputs(draft)
     assert max_diff(ours(draft, *inputs)[0], ours(loaded, *inputs)[0]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(layer_types=["sliding_attention"], sliding_window=8), dict(sample_from_anchor=False, sequential_head="none")],
+)
+def test_sliding_or_dflash_layout_drafts_are_not_exported_to_deepspec(tmp_path, target, fields):
+    from dspark_hf import export_deepspec
+
+    draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16, **fields)
+    with pytest.raises(ValueError, match="export_speculators"):
+        export_deepspec(draft, tmp_path)

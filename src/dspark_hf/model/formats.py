@@ -264,6 +264,12 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     """
     target, embed, head = _bind_for_export(draft, target)
     c = draft.config
+    if (c.layer_types is not None and "sliding_attention" in c.layer_types) or not c.sample_from_anchor:
+        raise ValueError(
+            "DeepSpec's format holds full-attention drafts in the anchor-slot layout; this draft has "
+            f"layer_types={c.layer_types} and sample_from_anchor={c.sample_from_anchor}. Export it with "
+            "`export_speculators` instead."
+        )
     base = target.config.get_text_config().to_dict() if target is not None else {}
     for key in ("auto_map", "quantization_config", "_name_or_path", "transformers_version"):
         base.pop(key, None)
@@ -317,13 +323,15 @@ def export_deepspec(draft, save_directory: str, target: Any = None, dtype: torch
     return _write_checkpoint(draft, embed, head, base, save_directory, dtype or draft.dtype)
 
 
-def _write_checkpoint(draft, embed: Any, head: Any, config: dict, save_directory: str, dtype: torch.dtype) -> str:
+def _write_checkpoint(
+    draft, embed: Any, head: Any, config: dict, save_directory: str, dtype: torch.dtype, extra: dict | None = None
+) -> str:
     """Write `config.json` and `model.safetensors` as the exchange formats lay them out (DeepSpec's, speculators').
 
-    The weights are the draft's own (less its `draft_vocab_ids` buffer) plus copies of the bound target's
-    embedding and LM head (`embed_tokens.weight`, `lm_head.weight`), all cast to `dtype`.
+    The weights are the draft's own (less its `draft_vocab_ids` buffer), any `extra` ones, plus copies of the bound
+    target's embedding and LM head (`embed_tokens.weight`, `lm_head.weight`), all cast to `dtype`.
     """
-    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"}
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab_ids"} | dict(extra or {})
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     tensors["embed_tokens.weight"] = embed.weight.detach().to(dtype).contiguous().clone()
     tensors["lm_head.weight"] = head.weight.detach().to(dtype).contiguous().clone()

@@ -5,18 +5,25 @@ A speculators checkpoint is a `config.json` with `speculators_model_type` (`"dsp
 `transformer_layer_config` (a transformers config whose `num_hidden_layers` is the number of draft layers),
 and `model.safetensors`. Its DSpark draft is the same model as DeepSpec's Qwen3 draft (Qwen3-style layers
 with context K/V injection, Markov head, confidence head), so the weights are a rename-free copy; the
-differences are in the config:
+differences are in the config (`docs/speculators-format.md` has the whole story):
 
 | speculators                              | dspark_hf                                                  |
 |------------------------------------------|------------------------------------------------------------|
 | `aux_hidden_state_layer_ids` (`a`)       | `target_layer_ids` = `a - 1` (vLLM captures a layer's input) |
 | `transformer_layer_config.*`             | shape, `rms_norm_eps`, `hidden_act`, `rope_parameters`       |
-| `block_size`, `mask_token_id`            | same names                                                  |
-| `sample_from_anchor: true`               | required (our block drafts from the anchor slot on)         |
+| `transformer_layer_config.layer_types`, `sliding_window` | `layer_types`, `sliding_window`            |
+| `sliding_window_non_causal`              | same name                                                   |
+| `sample_from_anchor`                     | same name; missing: from `speculative_tokens` (see below)   |
+| `block_size` (B)                         | `block_size` = B (`sample_from_anchor: true`), B - 1 (false) |
+| `mask_token_id`                          | same name                                                   |
 | `markov_rank`, `markov_head_type`        | `sequential_head`, `markov_rank` (`0`: none)                 |
 | `enable_confidence_head`, `confidence_head_with_markov` | `confidence_head`, `confidence_with_markov` |
 | `draft_vocab_size` < vocab, `t2d` / `d2t`| a draft vocabulary subset (`set_draft_vocab`), import only  |
 | `speculators_config.verifier.name_or_path` | `target_name_or_path`                                     |
+
+DSpark checkpoints written before speculators' PR #760 have no `sample_from_anchor` and were trained in the
+DFlash layout; the layout is then read from the proposal's `speculative_tokens` (`B - 1`: false, `B`: true) with
+a one-line note, and a checkpoint where neither tells is refused.
 
 `embed_tokens.weight` and `lm_head.weight` (the verifier's, the latter restricted to the draft vocabulary)
 are fingerprinted and dropped on import, like DeepSpec's copies; export writes the bound target's.
@@ -30,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .configuration import DSparkConfig
+from .configuration import FULL_ATTENTION, SLIDING_ATTENTION, DSparkConfig
 from .fingerprint import fingerprint_copies
 from .formats import (
     _HEAD_FROM_DEEPSPEC,
@@ -67,26 +74,77 @@ def _layer_config(cfg: dict) -> Any:
     return AutoConfig.for_model(model_type, **layer)
 
 
-def config_from_speculators(cfg: dict) -> DSparkConfig:
+def _sample_from_anchor(cfg: dict, source: str) -> bool:
+    """The block layout of a speculators draft: `sample_from_anchor`, or, where the key is missing (DSpark drafts
+    written before speculators' PR #760, 2026-07-13, which all used the DFlash layout), what the proposal's
+    `speculative_tokens` says: `block_size - 1` drafted tokens is the DFlash layout, `block_size` the anchor one."""
+    value = cfg.get("sample_from_anchor")
+    if value is not None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{source}: sample_from_anchor={value!r} in config.json must be true or false.")
+        return value
+    block = cfg.get("block_size")
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    if isinstance(block, int) and tokens in (block - 1, block):
+        layout = "false (the DFlash layout)" if tokens == block - 1 else "true"
+        warnings.warn(
+            f"{source}: config.json has no sample_from_anchor (written before speculators' PR #760); its "
+            f"speculative_tokens={tokens} with block_size={block} says sample_from_anchor={layout}, and it loads so.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return tokens == block
+    raise ValueError(
+        f"{source}: config.json has no sample_from_anchor and its speculative_tokens={tokens!r} with "
+        f"block_size={block!r} does not tell the block layout (block_size - 1: false, block_size: true); add "
+        '"sample_from_anchor": true or false to config.json.'
+    )
+
+
+def _layer_types(layer: Any, source: str) -> tuple[list[str] | None, int | None]:
+    """The draft layers' attention types and window, read as speculators reads them (from the parsed
+    `transformer_layer_config`: a Qwen3 config keeps `sliding_window` only with `use_sliding_window`)."""
+    types = getattr(layer, "layer_types", None)
+    if not types or all(t == FULL_ATTENTION for t in types):
+        return None, None
+    types = list(types)
+    unknown = sorted({t for t in types} - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown:
+        raise ValueError(
+            f"{source}: transformer_layer_config.layer_types has {unknown}; draft layers are "
+            f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}."
+        )
+    if len(types) != layer.num_hidden_layers:
+        raise ValueError(
+            f"{source}: transformer_layer_config.layer_types has {len(types)} entries for "
+            f"num_hidden_layers={layer.num_hidden_layers}."
+        )
+    window = getattr(layer, "sliding_window", None)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"{source}: transformer_layer_config has sliding_attention layers but sliding_window={window!r} (a "
+            "Qwen3 config keeps it only with use_sliding_window: true); give the window the draft was trained with."
+        )
+    return types, window
+
+
+def config_from_speculators(cfg: dict, source: str | None = None) -> DSparkConfig:
     """Translate a speculators DSpark/DFlash `config.json` dict into a [`DSparkConfig`] (full vocabulary).
 
+    speculators' `block_size` is the backbone's block; the config's `block_size` is the number of drafted
+    tokens: the same with `sample_from_anchor: true`, one less with `false` (see `docs/speculators-format.md`).
+
     Raises:
-        `ValueError`: for what the draft cannot compute the same way (`sample_from_anchor: false`, sliding-window
-            draft layers, an unknown Markov head).
+        `ValueError`: (one line, naming the field) for what cannot be interpreted: a layout that neither
+            `sample_from_anchor` nor `speculative_tokens` tells, sliding layers without a window, an unknown
+            Markov head, an RNN head in the DFlash layout, a missing `mask_token_id`.
     """
     kind = cfg.get("speculators_model_type")
-    if not cfg.get("sample_from_anchor", kind == "dspark"):
-        raise ValueError(
-            "speculators draft has sample_from_anchor=false (the anchor slot predicts nothing and the block "
-            "drafts block_size - 1 tokens); dspark-hf drafts block_size tokens from the anchor slot on, as DeepSpec "
-            "and speculators' DSpark do, so this layout is not supported."
-        )
+    source = source or "speculators draft"
+    anchor_layout = _sample_from_anchor(cfg, source)
     layer = _layer_config(cfg)
-    layer_types = getattr(layer, "layer_types", None) or ["full_attention"]
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"speculators draft has layer_types={layer_types}: dspark-hf draft layers are full-attention only."
-        )
+    layer_types, window = _layer_types(layer, source)
     rope = getattr(layer, "rope_parameters", None) or {}
     if isinstance(rope.get("sliding_attention"), dict):  # speculators builds its rotary from this entry
         rope = rope["sliding_attention"]
@@ -94,15 +152,22 @@ def config_from_speculators(cfg: dict) -> DSparkConfig:
         rope = {"rope_type": "default", "rope_theta": float(getattr(layer, "rope_theta", 10000.0))}
     rope = {k: v for k, v in rope.items() if k != "type"}
     rank = int(cfg.get("markov_rank", 0) or 0) if kind == "dspark" else 0
+    if cfg.get("dspark_zero_markov_head"):  # export_speculators' stand-in for no sequential head
+        rank = 0
     head_type = cfg.get("markov_head_type", "vanilla")
     if rank and head_type not in _HEAD_FROM_DEEPSPEC:
+        raise ValueError(f"{source}: unknown markov_head_type {head_type!r}; supported: {sorted(_HEAD_FROM_DEEPSPEC)}.")
+    if rank and head_type == "rnn" and not anchor_layout:
         raise ValueError(
-            f"Unknown speculators markov_head_type {head_type!r}; supported: {sorted(_HEAD_FROM_DEEPSPEC)}."
+            f"{source}: markov_head_type 'rnn' with sample_from_anchor false is not supported: its recurrent state "
+            "passes through the anchor slot, which dspark-hf's DFlash layout does not draft from."
         )
+    if int(cfg.get("block_size") or 0) < (1 if anchor_layout else 2):
+        raise ValueError(f"{source}: block_size={cfg.get('block_size')!r} leaves no token to draft.")
     confidence = bool(cfg.get("enable_confidence_head", True)) if kind == "dspark" else False
     aux = [int(a) for a in cfg["aux_hidden_state_layer_ids"]]
     if cfg.get("mask_token_id") is None:
-        raise ValueError("speculators draft has no mask_token_id; it cannot fill the block's mask slots.")
+        raise ValueError(f"{source}: config.json has no mask_token_id; the block's mask slots cannot be filled.")
     verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
     num_heads = layer.num_attention_heads
     target_hidden = cfg.get("target_hidden_size") or layer.hidden_size
@@ -120,7 +185,11 @@ def config_from_speculators(cfg: dict) -> DSparkConfig:
         hidden_act=getattr(layer, "hidden_act", "silu"),
         max_position_embeddings=getattr(layer, "max_position_embeddings", 32768),
         attention_bias=bool(getattr(layer, "attention_bias", False)),
-        block_size=int(cfg["block_size"]),
+        block_size=int(cfg["block_size"]) - (0 if anchor_layout else 1),
+        sample_from_anchor=anchor_layout,
+        layer_types=layer_types,
+        sliding_window=window,
+        sliding_window_non_causal=bool(cfg.get("sliding_window_non_causal", False)),
         target_layer_ids=[a - 1 for a in aux],
         mask_token_id=int(cfg["mask_token_id"]),
         sequential_head=_HEAD_FROM_DEEPSPEC[head_type] if rank else "none",
@@ -168,7 +237,7 @@ def read_speculators_checkpoint(
     cfg = _read_config(path_or_repo, revision, token)
     if cfg is None or not is_speculators_config(cfg):
         raise ValueError(f"{path_or_repo} is not a speculators DSpark/DFlash draft (no speculators_model_type).")
-    config = config_from_speculators(cfg)
+    config = config_from_speculators(cfg, path_or_repo)
     weights = _load_weights(path_or_repo, revision, token)
     ids = _draft_vocab(weights, config.vocab_size, int(cfg.get("draft_vocab_size") or config.vocab_size), path_or_repo)
     copies = {"embed_tokens.weight": weights["embed_tokens.weight"]} if "embed_tokens.weight" in weights else {}
@@ -176,6 +245,15 @@ def read_speculators_checkpoint(
         copies["lm_head.weight"] = weights["lm_head.weight"]
     config.target_weights_fingerprint = fingerprint_copies(copies, source=path_or_repo)
     weights = {k: v for k, v in weights.items() if k not in _NOT_DRAFT}
+    if cfg.get("dspark_zero_markov_head"):
+        zero = [
+            weights.pop(k) for k in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight") if k in weights
+        ]
+        if len(zero) != 2 or any(w.any() for w in zero):
+            raise ValueError(
+                f"{path_or_repo}: dspark_zero_markov_head is set but the Markov weights are not the two zero matrices "
+                "export_speculators writes; remove the key from config.json to load the head."
+            )
     w2 = weights.get("markov_head.markov_w2.weight")
     if ids is not None and w2 is not None:  # W2 covers the draft vocabulary only: rows outside S stay zero
         full = w2.new_zeros(config.vocab_size, w2.shape[1])
@@ -185,7 +263,10 @@ def read_speculators_checkpoint(
 
 
 def export_speculators(draft, save_directory: str, target: Any = None, dtype: torch.dtype | None = None) -> str:
-    """Write `draft` in the speculators format, which `vllm serve` loads (`docs/deepspec-format.md`).
+    """Write `draft` in the speculators format, which `vllm serve` loads (`docs/speculators-format.md`).
+
+    The kind written is [`export_kind`]'s: `dflash` only for a head-less draft in the DFlash layout, else `dspark`
+    (a head-less draft in the anchor-slot layout with a zero Markov head, which vLLM's DSpark model needs).
 
     Args:
         draft ([`DSparkDraftModel`]): a `"qwen3"`-style draft, bound to its target (or `target` given).
@@ -206,7 +287,7 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
             f"{' and logit soft-capping' if c.final_logit_softcapping is not None else ''}. Export it with "
             "`export_deepspec` instead."
         )
-    kind = "dspark" if (c.sequential_head != "none" or c.confidence_head) else "dflash"
+    kind = export_kind(c)
     if draft.draft_vocab_ids is not None:
         warnings.warn(
             f"The draft vocabulary subset of {c.draft_vocab_size} ids is not exported (the speculators format's d2t "
@@ -230,9 +311,11 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
         "max_position_embeddings": c.max_position_embeddings,
         "attention_bias": c.attention_bias,
         "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "layer_types": [c.layer_type(i) for i in range(c.num_hidden_layers)],
         "tie_word_embeddings": False,
     }
+    if c.layer_types is not None and SLIDING_ATTENTION in c.layer_types:  # a Qwen3 config keeps the window only so
+        layer.update(sliding_window=c.sliding_window, use_sliding_window=True, max_window_layers=c.num_hidden_layers)
     out = {
         "architectures": [_ARCHITECTURES[kind]],
         "speculators_model_type": kind,
@@ -241,7 +324,7 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": c.block_size,
+                    "speculative_tokens": c.block_size,  # drafted tokens; the block has backbone_slots
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -254,16 +337,17 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": c.vocab_size,
-        "block_size": c.block_size,
+        "block_size": c.backbone_slots,
         "target_hidden_size": c.hidden_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
         "mask_token_id": c.mask_token_id,
-        "sliding_window_non_causal": False,
-        "sample_from_anchor": True,
+        "sliding_window_non_causal": c.sliding_window_non_causal,
+        "sample_from_anchor": c.sample_from_anchor,
         # Not part of the speculators format (loaders ignore it); keeps STS calibration across a round trip.
         "dspark_calibration_temperatures": list(c.calibration_temperatures),
         "dspark_confidence_calibrated": c.confidence_calibrated,
     }
+    extra = {}
     if kind == "dspark":
         out.update(
             markov_rank=0 if c.sequential_head == "none" else c.markov_rank,
@@ -271,6 +355,24 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
             enable_confidence_head=c.confidence_head,
             confidence_head_with_markov=c.uses_markov_feature,
         )
+        if c.sequential_head == "none":
+            # vLLM's DSpark model always builds a Markov head of markov_rank: give it one whose bias is exactly
+            # zero (rank 1, zero weights), so the draft proposes what it proposes here; the import drops it again.
+            out.update(markov_rank=1, dspark_zero_markov_head=True)
+            w1 = draft.fc.weight.new_zeros(c.vocab_size, 1)
+            extra = {"markov_head.markov_w1.weight": w1, "markov_head.markov_w2.weight": w1.clone()}
     dtype = dtype or draft.dtype
     out["dtype"] = str(dtype).replace("torch.", "")
-    return _write_checkpoint(draft, embed, head, out, save_directory, dtype)
+    return _write_checkpoint(draft, embed, head, out, save_directory, dtype, extra)
+
+
+def export_kind(config: DSparkConfig) -> str:
+    """The `speculators_model_type` a draft is exported as, so that vLLM reads the slots it drafts from.
+
+    vLLM's `dflash` path drafts from the mask slots only (the DFlash layout; `sample_from_anchor` is not read
+    there), so only a head-less draft in that layout is written as `dflash`. Everything else is `dspark`, whose
+    path reads `sample_from_anchor` (vLLM #48639); a head-less draft in the anchor-slot layout gets a zero
+    Markov head for it (see `docs/speculators-format.md`).
+    """
+    heads = config.sequential_head != "none" or config.confidence_head
+    return "dflash" if not heads and not config.sample_from_anchor else "dspark"
