@@ -12,7 +12,8 @@ forward on packed anchor blocks, capturing the per-slot logits and confidence lo
 loss, and the greedy draft of each block made with its own Markov and confidence heads.
 
 The cache folder is `$DSPARK_SPECULATORS_DIR`, else `~/.cache/dspark_hf/speculators-0.9.0`. When it cannot be
-installed (no network) the tests skip, unless `DSPARK_REQUIRE_SPECULATORS=1`, which CI sets, makes them fail.
+installed (no network) the tests skip, unless `DSPARK_REQUIRE_SPECULATORS=1` makes that a failure (for CI, as
+`DSPARK_REQUIRE_BROWSER=1` does for the browser test).
 """
 
 from __future__ import annotations
