@@ -147,6 +147,30 @@ def _greedy(draft, inputs, guessed_path):
     return block.tokens, block.confidence_logits
 
 
+def _graph_step(draft, inputs):
+    """The step `generate()` records in a CUDA graph (`padded_draft_step`: contexts padded to one capacity with
+    random values that must be masked out), run eagerly: its greedy tokens."""
+    from dspark_hf.decoding.draft_graphs import padded_draft_step
+
+    feats, ids = _features(inputs)[0], inputs["input_ids"][0]
+    stores = [KVStore(LENGTH + BLOCK) for _ in ANCHORS]
+    ingest(draft, stores, [feats[:a] for a in ANCHORS])
+    gen = torch.Generator().manual_seed(9)
+    context = []
+    for i in range(len(draft.layers)):
+        pair = []
+        for kv in (0, 1):
+            first = stores[0].layer(i)[kv]
+            buf = torch.randn((len(ANCHORS), first.shape[0], LENGTH, first.shape[2]), generator=gen)
+            for r, store in enumerate(stores):
+                buf[r, :, : len(store)] = store.layer(i)[kv]
+            pair.append(buf)
+        context.append(tuple(pair))
+    temperatures = torch.tensor(draft.config.calibration_temperatures)
+    block, _ = padded_draft_step(draft, context, torch.tensor(ANCHORS), ids[torch.tensor(ANCHORS)], temperatures)
+    return block.tokens
+
+
 def _gap(ours: torch.Tensor | None, ref: torch.Tensor | None, ref_first: int) -> float:
     """Max |Δ| between our slot k and the reference slot predicting the same token (`k + ref_first`)."""
     if ours is None or ref is None:
@@ -181,6 +205,7 @@ def test_speculators_draft_matches_speculators_forward_and_drafts(reference, nam
         tokens, greedy_conf = _greedy(draft, reference["inputs"], guessed)
         assert torch.equal(tokens, ref["tokens"])
         assert _gap(greedy_conf, ref.get("greedy_confidence"), 0) <= REFERENCE_TOL
+    assert torch.equal(_graph_step(draft, reference["inputs"]), ref["tokens"])
     prompt = torch.tensor([[5, 17, 2, 40, 33, 8, 61, 12]])
     plain = target.generate(prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=draft), plain)

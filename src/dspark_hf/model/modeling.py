@@ -413,7 +413,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         gamma = self.config.block_size
         bsz, length, width = x.shape
         blocks = length // gamma
-        mask_embed = self.embed_tokens(torch.tensor([self.config.mask_token_id], device=x.device))
+        # torch.full, not torch.tensor: no host-to-device copy, so a CUDA-graph capture of the draft step holds
+        mask_embed = self.embed_tokens(torch.full((1,), self.config.mask_token_id, device=x.device))
         x = torch.cat([x.reshape(bsz, blocks, gamma, width), mask_embed.expand(bsz, blocks, 1, width)], dim=2)
         pos = positions.reshape(bsz, blocks, gamma)
         positions = torch.cat([pos, pos[..., -1:] + 1], dim=2).reshape(bsz, -1)
