@@ -203,3 +203,83 @@ def test_sliding_or_dflash_layout_drafts_are_not_exported_to_deepspec(tmp_path, 
     draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16, **fields)
     with pytest.raises(ValueError, match="export_speculators"):
         export_deepspec(draft, tmp_path)
+
+
+# ------------------------------------------------------------------ sliding layers and the DFlash layout, without
+# speculators installed (tests/test_speculators_reference.py checks both against speculators itself)
+def _draft(target, seed=0, **fields):
+    fields = {"num_hidden_layers": 2, "block_size": 4, "markov_rank": 16, **fields}
+    draft = DSparkDraftModel.from_target(target, **fields)
+    return randomize(draft.float(), seed=seed)
+
+
+def test_old_checkpoint_without_sample_from_anchor_loads_in_the_dflash_layout(tmp_path, target):
+    cfg = write_speculators_checkpoint(tmp_path, target, block_size=5)
+    del cfg["sample_from_anchor"]
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 4  # block_size - 1: the DFlash layout
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="no sample_from_anchor .* says sample_from_anchor=false") as record:
+        draft = load_speculators_checkpoint(tmp_path, target=target)
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    assert draft.config.sample_from_anchor is False and draft.config.block_size == 4
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 3  # neither: refused
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no sample_from_anchor") as err:
+        load_speculators_checkpoint(tmp_path, target=target)
+    assert "\n" not in str(err.value)
+
+
+def test_dflash_layout_drafts_from_the_slots_after_the_anchor(target):
+    """A `sample_from_anchor=False` draft of γ tokens is the same network run over `[anchor, mask × γ]` whose
+    slots 1..γ are kept: a `True` draft of γ + 1 slots with the same weights, fed that block."""
+    flash = _draft(target, block_size=3, sample_from_anchor=False, sequential_head="gated")
+    anchor = _draft(target, block_size=4, sequential_head="gated")
+    anchor.load_state_dict(flash.state_dict())
+    feats, block, prev = block_inputs(anchor)  # [anchor, mask × 3], positions T..T+3
+    wide = ours(anchor, feats, block, torch.cat([prev[:, :1], prev[:, :-1]], dim=1))  # slot j reads token j - 1
+    narrow = ours(flash, feats, block[:, :3], prev[:, :3])
+    for a, b in zip(narrow, wide):
+        assert max_diff(a, b[:, 1:]) <= REFERENCE_TOL  # fp32 rounding of a longer block
+
+
+def test_sliding_layer_sees_the_window_before_the_anchor_and_its_block_causally(target):
+    draft = _draft(target, layer_types=["sliding_attention"] * 2, sliding_window=3)
+    feats, block, prev = block_inputs(draft, context_len=9)
+    block[0, 1:] = torch.tensor([7, 8, 9])  # distinct slots, so a later slot could show in an earlier one
+    base = ours(draft, feats, block, prev)[1]
+    outside, inside = feats.clone(), feats.clone()
+    outside[:, 5] += 1.0  # position 5 < anchor 9 - window 3: not seen
+    inside[:, 6] += 1.0
+    assert max_diff(ours(draft, outside, block, prev)[1], base) == 0.0
+    assert max_diff(ours(draft, inside, block, prev)[1], base) > 1e-3
+    later = block.clone()
+    later[0, 3] = 11  # the last slot changes: earlier slots (causal) do not
+    changed = ours(draft, feats, later, prev)[1]
+    assert max_diff(changed[:, :3], base[:, :3]) == 0.0 and max_diff(changed[:, 3:], base[:, 3:]) > 1e-3
+    # non-causal within the block: every slot sees the change
+    bidirectional = _draft(
+        target, layer_types=["sliding_attention"] * 2, sliding_window=3, sliding_window_non_causal=True
+    )
+    bidirectional.load_state_dict(draft.state_dict())
+    assert (
+        max_diff(ours(bidirectional, feats, later, prev)[1][:, :3], ours(bidirectional, feats, block, prev)[1][:, :3])
+        > 1e-3
+    )
+
+
+def test_sliding_dflash_layout_draft_trains_every_parameter(target):
+    """Training goes through the same masks: one backward reaches every parameter."""
+    from dspark_hf.model.modeling import block_attention_mask
+
+    draft = _draft(target, block_size=3, sample_from_anchor=False, layer_types=["sliding_attention", "full_attention"],
+                   sliding_window=4).train()  # fmt: skip
+    feats = torch.randn(1, 12, len(draft.config.target_layer_ids) * draft.config.hidden_size)
+    anchors = torch.tensor([[3, 8]])
+    positions = (anchors[0, :, None] + torch.arange(3)).reshape(1, -1)
+    ids = torch.full((1, 6), draft.config.mask_token_id)
+    ids[0, ::3] = torch.tensor([4, 9])
+    out = draft(
+        feats, ids, positions, torch.randint(0, 90, (1, 6)), attention_mask=block_attention_mask(anchors, 12, 3)
+    )
+    (out.logits.float().logsumexp(-1).sum() + out.confidence_logits.sum()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
