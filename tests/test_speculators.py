@@ -283,3 +283,15 @@ def test_sliding_dflash_layout_draft_trains_every_parameter(target):
     )
     (out.logits.float().logsumexp(-1).sum() + out.confidence_logits.sum()).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
+
+
+def test_sliding_dflash_layout_draft_saves_and_loads_in_our_format(tmp_path, target):
+    draft = _draft(target, block_size=3, sample_from_anchor=False, layer_types=["full_attention", "sliding_attention"],
+                   sliding_window=5, sliding_window_non_causal=True)  # fmt: skip
+    draft.save_pretrained(tmp_path)
+    loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
+    c = loaded.config
+    assert (c.sample_from_anchor, c.layer_types, c.sliding_window, c.sliding_window_non_causal) == (
+        False, ["full_attention", "sliding_attention"], 5, True)  # fmt: skip
+    inputs = block_inputs(draft, context_len=11)
+    assert max_diff(ours(draft, *inputs)[0], ours(loaded, *inputs)[0]) == 0.0
