@@ -2,8 +2,8 @@
 
 vLLM's `speculators` library pins `transformers<=5.19`, which conflicts with the release this project is tested
 with (constraints.txt), so it is not a dev dependency. Instead [`speculators_path`] installs it once, without its
-dependencies, into a cached folder (`pip install --no-deps --target`, with the two modules it imports that the
-dev environment lacks: `hs-connectors`, `loguru`), and [`run_reference`] runs this file as a script in a
+dependencies, into a cached folder (`pip install --no-deps --target`, with the modules it imports that the dev
+environment lacks: `hs-connectors`, `loguru`, `pydantic-settings`, `python-dotenv`), and [`run_reference`] runs this file as a script in a
 subprocess with that folder on `PYTHONPATH` (speculators registers its own config classes, so it never shares a
 process with dspark_hf's tests). The script builds each draft with speculators' own code — the trainer's
 `create_transformer_layer_config` (which makes layers sliding unless listed in `full_attention_indices`),
@@ -23,7 +23,15 @@ import os
 import subprocess
 import sys
 
-SPECULATORS_PINS = ("speculators==0.9.0", "hs-connectors==0.9.0", "loguru==0.7.3")
+# speculators and the modules it imports (on the path this reference takes) that `.[dev]` does not install; the rest
+# of its declared dependencies (torch, transformers, datasets, ...) come from the test environment, --no-deps
+SPECULATORS_PINS = (
+    "speculators==0.9.0",
+    "hs-connectors==0.9.0",
+    "loguru==0.7.3",
+    "pydantic-settings==2.14.1",
+    "python-dotenv==1.2.2",
+)
 
 
 def speculators_path() -> str:
