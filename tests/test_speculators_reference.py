@@ -213,7 +213,7 @@ def test_speculators_draft_matches_speculators_forward_and_drafts(reference, nam
 
 @pytest.mark.parametrize("name", ["gated-sliding-anchor", "vanilla-mixed-dflash", "dflash-sliding-dflash-old"])
 def test_negative_controls_are_caught(reference, tmp_path, name):
-    """The comparison has power: shifted aux ids and the wrong layout each fail it."""
+    """The comparison has power: shifted aux ids, the wrong layout and sliding layers read as full each fail it."""
     folder, variant, ref = _ref(reference, name)
     target, inputs = reference["target"], reference["inputs"]
     first = 0 if variant["sample_from_anchor"] else 1
@@ -228,6 +228,13 @@ def test_negative_controls_are_caught(reference, tmp_path, name):
     draft, _ = _load(wrong, target)
     assert _gap(_teacher_forced(draft, inputs)[0], ref["logits"], first) > 1e-2
     assert not torch.equal(_greedy(draft, inputs, False)[0][:, : BLOCK - 1], ref["tokens"][:, : BLOCK - 1])
+    full = tmp_path / "full"  # the sliding layers read as full-attention ones (what a loader ignoring them does)
+    shutil.copytree(folder, full)
+    cfg = json.loads((full / "config.json").read_text())
+    cfg["transformer_layer_config"]["layer_types"] = ["full_attention"] * 2
+    (full / "config.json").write_text(json.dumps(cfg))
+    draft, _ = _load(full, target)
+    assert _gap(_teacher_forced(draft, inputs)[0], ref["logits"], first) > 1e-2
 
 
 def test_rnn_head_in_the_dflash_layout_is_refused(reference):
