@@ -31,7 +31,8 @@ def short(value: Any, limit: int = _QUOTE) -> str:
     """`repr(value)`, cut to about `limit` characters (with the full length said) so a message stays small."""
     if isinstance(value, (str, bytes, list, dict)) and len(value) > limit:
         head = repr(value[:limit] if not isinstance(value, dict) else dict(list(value.items())[:3]))
-        return f"{head[:limit]}... ({len(value):,} {'characters' if isinstance(value, str) else 'items'})"
+        unit = "characters" if isinstance(value, str) else "bytes" if isinstance(value, bytes) else "items"
+        return f"{head[:limit]}... ({len(value):,} {unit})"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
