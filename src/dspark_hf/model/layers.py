@@ -175,7 +175,7 @@ class DSparkAttention(nn.Module):
             values = values.repeat_interleave(repeat, dim=1)
         if self.sliding_window is not None:
             attention_mask = self.sliding_mask(positions, ctx_keys.shape[-2], attention_mask)
-        # No causal mask: the block is bidirectional and sees all (already position-filtered) context.
+        # Full attention: no causal mask, the block is bidirectional and sees all (position-filtered) context.
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
@@ -203,8 +203,10 @@ class DSparkAttention(nn.Module):
         if self.causal_block:
             see_blk = see_blk & (slot[None, :] <= slot[:, None])
         mask = torch.cat([see_ctx, see_blk[None].expand(bsz, -1, -1)], dim=-1)[:, None]
-        if attention_mask is not None:
-            mask = mask & attention_mask.to(torch.bool)
+        if attention_mask is not None:  # boolean (this package's masks), or additive with -inf / min where masked
+            if attention_mask.dtype != torch.bool:
+                attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min
+            mask = mask & attention_mask
         return mask
 
 
