@@ -65,18 +65,14 @@ def _variants() -> list[dict]:
             out.append(_variant(f"dflash-{layers}-{layout}", kind="dflash", head="none", layers=layers, anchor=anchor,
                                 old=old))  # fmt: skip
             for head in ("vanilla", "gated", "rnn"):
-                if head == "rnn" and not anchor:
-                    continue  # refused (test_rnn_head_in_the_dflash_layout_is_refused)
                 out.append(_variant(f"{head}-{layers}-{layout}", head=head, layers=layers, anchor=anchor, old=old))
     out.append(_variant("confidence-sliding-anchor", head="confidence", layers="sliding"))
     out.append(_variant("confidence-sliding-dflash", head="confidence", layers="sliding", anchor=False))
-    out.append(_variant("rnn-sliding-dflash", head="rnn", layers="sliding", anchor=False))  # for the refusal
     return out
 
 
 VARIANTS = _variants()
-LOADABLE = [v["name"] for v in VARIANTS if not (v["markov_head_type"] == "rnn" and v["markov_rank"] and
-                                                not v["sample_from_anchor"])]  # fmt: skip
+LOADABLE = [v["name"] for v in VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +231,6 @@ def test_negative_controls_are_caught(reference, tmp_path, name):
     (full / "config.json").write_text(json.dumps(cfg))
     draft, _ = _load(full, target)
     assert _gap(_teacher_forced(draft, inputs)[0], ref["logits"], first) > 1e-2
-
-
-def test_rnn_head_in_the_dflash_layout_is_refused(reference):
-    folder, _, _ = _ref(reference, "rnn-sliding-dflash")
-    with pytest.raises(ValueError, match="markov_head_type 'rnn' with sample_from_anchor false") as err:
-        load_speculators_checkpoint(folder, target=reference["target"])
-    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(

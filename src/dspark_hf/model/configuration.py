@@ -111,8 +111,8 @@ class DSparkConfig(PreTrainedConfig):
             at `anchor + k + 1`. `False` (DFlash's layout, speculators' `sample_from_anchor: false`): the backbone
             runs `[anchor, mask × γ]` (γ + 1 slots) and slot `j ≥ 1` drafts the token at `anchor + j`; the anchor
             slot's output is unused. Either way `block_size` tokens are drafted and the sequential head reads the
-            token before each drafted one (the anchor for the first). `rnn` heads need `True` (their state would
-            run through the unused anchor slot).
+            token before each drafted one (the anchor for the first); an `rnn` head's state also runs through the
+            anchor slot in the `False` layout, as speculators trains it.
         layer_types (`list[str]`, *optional*): per draft layer, `"full_attention"` (the block sees all of its
             context and itself, bidirectionally) or `"sliding_attention"` (the block sees only the
             `sliding_window` context tokens before its anchor, and, unless `sliding_window_non_causal`, the slots of
@@ -370,12 +370,6 @@ class DSparkConfig(PreTrainedConfig):
             )
         if not isinstance(self.sample_from_anchor, bool):
             raise ValueError(f"DSparkConfig.sample_from_anchor must be true or false, got {self.sample_from_anchor!r}.")
-        if not self.sample_from_anchor and self.sequential_head == "rnn":
-            raise ValueError(
-                "DSparkConfig.sample_from_anchor=False (the DFlash block layout) is not supported with "
-                "sequential_head='rnn': the recurrent state would pass through the anchor slot, whose output is not "
-                "drafted. Use sample_from_anchor=True, or a 'markov' / 'gated' / 'none' head."
-            )
         rope = self.rope_parameters
         rope_type = rope.get("rope_type")
         if rope_type not in SUPPORTED_ROPE_TYPES:

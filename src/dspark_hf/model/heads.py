@@ -123,17 +123,31 @@ class RNNHead(MarkovHead):
     """A gated recurrent state over the block: `z = [s_{k-1}; W1[x_{k-1}]; h_k]` → gate, candidate, output.
 
     `s_k = σ(g) ⊙ s_{k-1} + (1 − σ(g)) ⊙ tanh(c)`, `B_k = W2 · tanh(o)`, `s_0 = 0`.
+
+    In the DFlash block layout (`sample_from_anchor=False`) the state also runs through the anchor slot, which
+    drafts nothing but reads the anchor like the first drafted slot does (speculators trains it so). The backbone
+    leaves that slot's final states in `anchor_hidden` ([`DSparkDraftModel.run_backbone`]); the state before the
+    first position is then `[0 ; h_anchor]`, and the first [`features`] call takes the anchor slot's step first.
     """
 
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__(config)
         r = config.markov_rank
         self.joint_proj = nn.Linear(2 * r + config.hidden_size, 3 * r)
+        self.anchor_hidden: torch.Tensor | None = None  # [N, d], set by the backbone in the DFlash layout only
 
     def init_state(self, batch: int, ref: torch.Tensor) -> torch.Tensor:
-        return ref.new_zeros(batch, self.rank)
+        state = ref.new_zeros(batch, self.rank)
+        if self.anchor_hidden is None:
+            return state
+        return torch.cat([state, self.anchor_hidden.reshape(batch, -1).to(ref.dtype)], dim=-1)
 
     def features(self, hidden, prev_embed, state):
+        if state.shape[-1] != self.rank:  # `[0 ; h_anchor]`: the anchor slot's step, with the same previous token
+            _, state = self._step(state[..., self.rank :], prev_embed, state[..., : self.rank])
+        return self._step(hidden, prev_embed, state)
+
+    def _step(self, hidden, prev_embed, state):
         gate, cand, out = self.joint_proj(torch.cat([state, prev_embed, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(cand)

@@ -38,7 +38,7 @@ from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
 from .formats import read_deepspec_checkpoint
-from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead
+from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead, RNNHead
 from .hub import checkpoint_format, push_draft
 from .kernels import mode_linear
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
@@ -396,10 +396,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             x, positions, attention_mask = self._dflash_layout(x, positions, attention_mask)
         for layer, (keys, values) in zip(self.layers, context_kv):
             x = layer(x, positions, keys, values, attention_mask)
-        if not self.config.sample_from_anchor:  # the anchor slot drafts nothing in this layout
-            bsz, length, width = x.shape
-            x = x.reshape(bsz, -1, self.config.block_size + 1, width)[:, :, 1:].reshape(bsz, -1, width)
-        return self.norm(x)
+        if self.config.sample_from_anchor:
+            return self.norm(x)
+        # the anchor slot drafts nothing in this layout; an RNN head's state still runs through it (heads.RNNHead)
+        bsz, length, width = x.shape
+        x = self.norm(x).reshape(bsz, -1, self.config.block_size + 1, width)
+        if isinstance(self.markov_head, RNNHead):
+            self.markov_head.anchor_hidden = x[:, :, 0].reshape(-1, width)
+        return x[:, :, 1:].reshape(bsz, -1, width)
 
     def _dflash_layout(
         self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None

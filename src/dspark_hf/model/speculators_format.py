@@ -138,7 +138,7 @@ def config_from_speculators(cfg: dict, source: str | None = None) -> DSparkConfi
     Raises:
         `ValueError`: (one line, naming the field) for what cannot be interpreted: a layout that neither
             `sample_from_anchor` nor `speculative_tokens` tells, sliding layers without a window, an unknown
-            Markov head, an RNN head in the DFlash layout, a missing `mask_token_id`.
+            Markov head, a missing `mask_token_id`.
     """
     kind = cfg.get("speculators_model_type")
     source = source or "speculators draft"
@@ -157,11 +157,6 @@ def config_from_speculators(cfg: dict, source: str | None = None) -> DSparkConfi
     head_type = cfg.get("markov_head_type", "vanilla")
     if rank and head_type not in _HEAD_FROM_DEEPSPEC:
         raise ValueError(f"{source}: unknown markov_head_type {head_type!r}; supported: {sorted(_HEAD_FROM_DEEPSPEC)}.")
-    if rank and head_type == "rnn" and not anchor_layout:
-        raise ValueError(
-            f"{source}: markov_head_type 'rnn' with sample_from_anchor false is not supported: its recurrent state "
-            "passes through the anchor slot, which dspark-hf's DFlash layout does not draft from."
-        )
     if int(cfg.get("block_size") or 0) < (1 if anchor_layout else 2):
         raise ValueError(f"{source}: block_size={cfg.get('block_size')!r} leaves no token to draft.")
     confidence = bool(cfg.get("enable_confidence_head", True)) if kind == "dspark" else False
