@@ -317,3 +317,19 @@ def test_export_is_read_by_speculators_as_drafted_here(reference, exported, name
     assert loaded.config.sequential_head == c.sequential_head and loaded.config.layer_types == c.layer_types
     assert loaded.config.sample_from_anchor is c.sample_from_anchor and loaded.config.block_size == c.block_size
     assert _gap(_teacher_forced(loaded, reference["inputs"])[0], logits, 0) == 0.0
+
+
+@pytest.mark.parametrize("name", ["rnn-sliding-dflash-old", "gated-mixed-anchor"])
+def test_batched_engine_with_speculators_drafts_equals_plain_greedy(reference, name):
+    """The engine's rows (padded draft contexts of different lengths, longer than the window) stay exact."""
+    from dspark_hf import DSparkEngine, SamplingParams
+
+    target = reference["target"]
+    draft, _ = _load(reference["root"] / name, target)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 95, (n,), generator=gen).tolist() for n in (3, 11, 7)]
+    engine = DSparkEngine(target, draft, policy="fixed", max_batch_size=3)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    for prompt, out in zip(prompts, outputs):
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == plain.tolist()
