@@ -11,7 +11,8 @@ process with dspark_hf's tests). The script builds each draft with speculators' 
 forward on packed anchor blocks, capturing the per-slot logits and confidence logits that forward hands to its
 loss, and the greedy draft of each block made with its own Markov and confidence heads.
 
-The cache folder is `$DSPARK_SPECULATORS_DIR`, else `~/.cache/dspark_hf/speculators-0.9.0`. When it cannot be
+The cache folder is `$DSPARK_SPECULATORS_DIR`, else `~/.cache/dspark_hf_tests/speculators-0.9.0`: outside the
+user's `~/.cache/dspark_hf`, which the suite checks it never touches (tests/conftest.py). When it cannot be
 installed (no network) the tests skip, unless `DSPARK_REQUIRE_SPECULATORS=1` makes that a failure (for CI, as
 `DSPARK_REQUIRE_BROWSER=1` does for the browser test).
 """
@@ -39,7 +40,7 @@ def speculators_path() -> str:
     import fcntl
 
     folder = os.environ.get("DSPARK_SPECULATORS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "dspark_hf", "speculators-0.9.0"
+        os.path.expanduser("~"), ".cache", "dspark_hf_tests", "speculators-0.9.0"
     )
     done = os.path.join(folder, ".installed")
     if os.path.exists(done):
