@@ -119,10 +119,14 @@ def _prep_args(tmp_path, **kw):
         progress=False,
     )
     base.update(kw)
+    if base.get("backend") == "bulk":
+        base.setdefault("generation_dtype", "float32")  # the tiny fp32 target's own arithmetic: greedy comparable
+        base["batch_size"] = kw.get("batch_size", 2)  # 2 rows refilled from chunks of 3 conversations
+        base.setdefault("chunk_size", 3)
     return PrepareDataArguments(**base)
 
 
-@pytest.mark.parametrize("backend", ["engine", "generate"])
+@pytest.mark.parametrize("backend", ["bulk", "engine", "generate"])
 def test_prepare_data_answers_each_user_turn_with_the_target(tmp_path, backend):
     tok, target = make_char_tokenizer(), make_chat_target()
     path = prepare_data(_prep_args(tmp_path, do_sample=False, backend=backend), target=target, tokenizer=tok)
@@ -141,7 +145,7 @@ def test_prepare_data_answers_each_user_turn_with_the_target(tmp_path, backend):
     assert records[2]["messages"][0] == {"role": "system", "content": "be brief"}
 
 
-@pytest.mark.parametrize("backend", ["engine", "generate"])
+@pytest.mark.parametrize("backend", ["bulk", "engine", "generate"])
 def test_prepare_data_resumes_to_the_same_output(tmp_path, monkeypatch, backend):
     tok, target = make_char_tokenizer(), make_chat_target()
     full = prepare_data(
@@ -214,7 +218,7 @@ from train_helpers import PROMPTS, make_char_tokenizer, make_chat_target
 
 out, kill_at, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 calls = [0]
-name = "engine_turn" if backend == "engine" else "generate_turn"
+name = backend + "_turn"
 original = getattr(data_mod, name)
 def dying(*a, **kw):  # SIGKILL (no clean-up) in the middle of generating a chunk
     calls[0] += 1
@@ -223,12 +227,12 @@ def dying(*a, **kw):  # SIGKILL (no clean-up) in the middle of generating a chun
     return original(*a, **kw)
 setattr(data_mod, name, dying)
 args = PrepareDataArguments(output=out, max_new_tokens=12, batch_size=3, temperature=1.0, top_p=1.0, top_k=0,
-                            device="cpu", progress=False, backend=backend)
+                            device="cpu", progress=False, backend=backend, chunk_size=3, generation_dtype="float32")
 data_mod.prepare_data(args, target=make_chat_target(), tokenizer=make_char_tokenizer(), prompts=PROMPTS)
 """
 
 
-@pytest.mark.parametrize("backend", ["engine", "generate"])
+@pytest.mark.parametrize("backend", ["bulk", "engine", "generate"])
 def test_prepare_data_killed_mid_chunk_resumes_to_the_same_file(tmp_path, backend):
     """A SIGKILLed prepare-data leaves the chunks it finished; rerunning the same command completes the file
     byte-identically to an uninterrupted run."""
@@ -293,7 +297,7 @@ def test_token_dataset_truncates_drops_and_splits(tmp_path):
 
 
 def test_prepare_data_backend_is_checked():
-    with pytest.raises(ValueError, match="backend must be 'engine' or 'generate', got 'vllm'"):
+    with pytest.raises(ValueError, match="backend must be 'bulk', 'engine' or 'generate', got 'vllm'"):
         PrepareDataArguments(output="x.jsonl", backend="vllm")
 
 

@@ -67,6 +67,7 @@ def data(tmp_path_factory):
             top_k=0,
             device="cpu",
             progress=False,
+            backend="engine",  # the data this test's tolerance was set on (the bulk backend: test_train_bulk.py)
         ),
         target=target,
         tokenizer=tok,

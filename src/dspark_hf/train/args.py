@@ -79,11 +79,20 @@ class PrepareDataArguments:
     max_turns: int | None = field(default=None, metadata={"help": "answer at most N user turns per conversation."})
     system_prompt: str | None = field(default=None, metadata={"help": "system message prepended when none is given."})
     backend: str = field(
-        default="engine",
+        default="bulk",
         metadata={
-            "help": "'engine' (the batched DSparkEngine without a draft: finished rows stop costing compute, one "
-            "seeded generator per conversation turn; the faster one measured on a CPU, see the training guide) "
-            "or 'generate' (one left-padded target.generate() per chunk and turn)."
+            "help": "'bulk' (the lean batched generator: fused weights, preallocated KV, rows refilled from the "
+            "chunk as responses finish, bf16 where the CPU has bf16 matrix units; Llama/Mistral/Qwen2/Qwen3 "
+            "targets, others fall back to 'engine'), 'engine' (the batched DSparkEngine without a draft, one "
+            "seeded generator per conversation turn, on the CPU kernels below) or 'generate' (one left-padded "
+            "target.generate() per chunk and turn)."
+        },
+    )
+    generation_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "the bulk backend's dtype: 'auto' (bfloat16 on CUDA and on a CPU with AMX or AVX-512 BF16, "
+            "float32 elsewhere), 'bfloat16' or 'float32'."
         },
     )
     kernels: str | None = field(
@@ -94,15 +103,25 @@ class PrepareDataArguments:
             "float32 target on the CPU and 'stock' otherwise."
         },
     )
-    batch_size: int = field(
-        default=8,
-        metadata={"help": "conversations generated together (one chunk; a resumed run redoes a partial chunk)."},
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "sequences decoded together (default: 128 for the bulk backend, 8 for the others)."},
+    )
+    chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "conversations per chunk, the unit a resumed run redoes (default: 8 x batch_size for the bulk "
+            "backend, whose rows are refilled from the chunk as responses finish; batch_size for the others)."
+        },
     )
     max_new_tokens: int = field(default=512, metadata={"help": "longest response per turn."})
     do_sample: bool = field(default=True, metadata={"help": "sample the responses (true) or decode greedily (false)."})
-    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (DeepSpec: 0.7)."})
-    top_p: float = field(default=0.8, metadata={"help": "nucleus sampling (DeepSpec: 0.8)."})
-    top_k: int = field(default=20, metadata={"help": "top-k sampling (DeepSpec: 20)."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature (1.0: the target's own distribution; DeepSpec used 0.7)."},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1.0: off; DeepSpec used 0.8)."})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off; DeepSpec used 20)."})
     seed: int = field(default=0, metadata={"help": "base seed; each batch uses seed + its first prompt index."})
     chat_template_kwargs: str | None = field(
         default=None, metadata={"help": "JSON passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'."}
@@ -114,11 +133,22 @@ class PrepareDataArguments:
         self.chat_template_kwargs = _parse_json_dict(
             "PrepareDataArguments", "chat_template_kwargs", self.chat_template_kwargs
         )
-        for name in ("batch_size", "max_new_tokens"):
+        if self.backend not in ("bulk", "engine", "generate"):
+            raise ValueError(
+                f"PrepareDataArguments.backend must be 'bulk', 'engine' or 'generate', got {self.backend!r}."
+            )
+        if self.generation_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(
+                "PrepareDataArguments.generation_dtype must be 'auto', 'bfloat16' or 'float32', "
+                f"got {self.generation_dtype!r}."
+            )
+        if self.batch_size is None:
+            self.batch_size = 128 if self.backend == "bulk" else 8
+        if self.chunk_size is None:
+            self.chunk_size = 8 * self.batch_size if self.backend == "bulk" else self.batch_size
+        for name in ("batch_size", "chunk_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareDataArguments.{name} must be >= 1, got {getattr(self, name)}.")
-        if self.backend not in ("engine", "generate"):
-            raise ValueError(f"PrepareDataArguments.backend must be 'engine' or 'generate', got {self.backend!r}.")
         from ..model.kernels import KERNEL_MODES
 
         if self.kernels is not None and self.kernels not in KERNEL_MODES:

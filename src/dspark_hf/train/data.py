@@ -6,14 +6,15 @@ the target itself, with its chat template (design §5). The pipeline is:
 1. [`load_prompt_rows`] / [`to_conversation`]: JSONL lines (a bare string, `{"prompt": ...}`,
    `{"messages": [...]}` or ShareGPT `{"conversations": [{"from", "value"}]}`) or the rows of a `datasets`
    dataset become conversations of system and user messages (given assistant turns are dropped).
-2. [`prepare_data`]: each user turn is answered in turn by the target, a chunk of `batch_size`
+2. [`prepare_data`]: each user turn is answered in turn by the target, a chunk of `chunk_size`
    conversations at a time, and every finished chunk is appended to the output JSONL. The default backend
-   is the batched engine ([`DSparkEngine`] without a draft: each row stops costing compute when it
-   finishes, each conversation turn has its own seeded generator) on the recommended kernels (exact for a
-   float32 target on a CPU: batch-invariant, so a response does not depend on the other rows of its chunk);
-   `backend="generate"` runs one left-padded `target.generate()` per chunk and turn (every row runs until
-   the longest is done). The training guide has the measured throughput of both. A killed run resumes where
-   it stopped: chunks are fixed slices of the prompt list, and a chunk with a missing conversation is
+   is the bulk generator ([`BulkGenerator`]: `batch_size` rows decoded together, refilled from the chunk as
+   responses finish, in bf16 where the CPU has bf16 matrix units); `backend="engine"` runs the batched
+   engine ([`DSparkEngine`] without a draft, each conversation turn with its own seeded generator) on the
+   recommended kernels (exact for a float32 target on a CPU: batch-invariant, so a response does not depend
+   on the other rows of its chunk); `backend="generate"` runs one left-padded `target.generate()` per chunk
+   and turn. The training guide has the measured throughput of each. A killed run resumes where it
+   stopped: chunks are fixed slices of the prompt list, and a chunk with a missing conversation is
    regenerated whole with the same seeds, so the output is the same as an uninterrupted run's.
 3. [`tokenize_conversation`]: the chat template renders the conversation; the text is tokenized piece by
    piece so that the loss mask marks exactly the assistant turns, through their end-of-turn token.
@@ -268,6 +269,39 @@ def engine_turn(
     return results, generated
 
 
+def bulk_turn(
+    generator, tokenizer, conversations: list[list[dict]], args: PrepareDataArguments, seed: int, on_tokens=None
+) -> tuple[list[tuple[str, str]], int]:
+    """Answer the last user message of each conversation with a [`BulkGenerator`] (one seeded generator for all).
+
+    Returns:
+        `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation as in
+        [`generate_turn`], and the number of tokens generated.
+    """
+    kw = args.chat_template_kwargs or {}
+    stop = _stop_ids(generator.target, tokenizer)
+    if not stop:
+        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
+    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
+    outputs = generator.generate(
+        prompts,
+        args.max_new_tokens,
+        stop,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        seed=seed,
+        on_tokens=on_tokens,
+    )
+    results = []
+    for tokens in outputs:
+        stopped = tokens[-1] in stop
+        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+        results.append((text, "stop" if stopped else "length"))
+    return results, sum(map(len, outputs))
+
+
 def regenerate_conversations(
     target,
     tokenizer,
@@ -278,16 +312,21 @@ def regenerate_conversations(
     engine=None,
     indices: list[int] | None = None,
     counter: list[int] | None = None,
+    on_tokens=None,
 ) -> list[tuple[list[dict], list[str]]]:
     """Answer every user turn of each conversation in order; earlier answers become the later turns' history.
 
     Args:
-        engine ([`DSparkEngine`], *optional*): decode with this draft-less engine (turn `t` of conversation
-            `indices[j]` samples with [`turn_seed`]`(seed, indices[j], t)`); by default one batched
-            `target.generate()` per turn after `torch.manual_seed(seed)`.
+        engine ([`DSparkEngine`] or [`BulkGenerator`], *optional*): decode with this draft-less engine (turn `t`
+            of conversation `indices[j]` samples with [`turn_seed`]`(seed, indices[j], t)`) or bulk generator
+            (turn `t` of the chunk samples with one generator seeded [`turn_seed`]`(seed, indices[0], t)`); by
+            default one batched `target.generate()` per turn after `torch.manual_seed(seed)`.
         indices (`list[int]`, *optional*): the conversations' indices in the prompt list (default `0..n-1`).
         counter (`list[int]`, *optional*): `counter[0]` is increased by the number of tokens generated.
+        on_tokens (`callable`, *optional*): the bulk generator calls it with the tokens each step produced.
     """
+    from .bulk import BulkGenerator
+
     indices = list(range(len(conversations))) if indices is None else indices
     torch.manual_seed(seed)
     histories: list[list[dict]] = [[] for _ in conversations]
@@ -305,7 +344,11 @@ def regenerate_conversations(
         if not active:
             break
         batch = [histories[j] for j in active]
-        if engine is not None:
+        if isinstance(engine, BulkGenerator):
+            answers, generated = bulk_turn(
+                engine, tokenizer, batch, args, turn_seed(args.seed, indices[0], turn), on_tokens
+            )
+        elif engine is not None:
             answers, generated = engine_turn(
                 engine, tokenizer, batch, args, [turn_seed(args.seed, indices[j], turn) for j in active]
             )
@@ -377,12 +420,7 @@ def prepare_data(
     from ..model.kernels import recommended_kernels, use_kernels
 
     kernels = args.kernels or recommended_kernels(target)
-    engine = None
-    if args.backend == "engine":
-        from ..decoding.engine import DSparkEngine
-
-        # No tokenizer: responses are decoded once here, not after every token.
-        engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size, kernels=kernels)
+    engine, backend, label = _make_backend(target, args, kernels)
     bar = tqdm(
         total=len(conversations),
         initial=len(done & set(range(len(conversations)))),
@@ -390,11 +428,19 @@ def prepare_data(
         disable=not args.progress,
         unit="conv",
     )
-    counter, started = [0], time.perf_counter()
+    counter, started, shown = [0], time.perf_counter(), [0.0]
+
+    def on_tokens(n: int) -> None:  # the bulk generator's per-step count: a live tokens/s in the bar
+        counter[0] += n
+        now = time.perf_counter()
+        if now - shown[0] > 2:
+            shown[0] = now
+            bar.set_postfix(tokens_per_s=f"{counter[0] / (now - started):.1f}")
+
     # The engine switches its own kernels; generate() runs on them inside this one scope.
-    with contextlib.nullcontext() if engine is not None else use_kernels(target, mode=kernels):
-        for start in range(0, len(conversations), args.batch_size):
-            chunk = list(range(start, min(start + args.batch_size, len(conversations))))
+    with use_kernels(target, mode=kernels) if backend == "generate" else contextlib.nullcontext():
+        for start in range(0, len(conversations), args.chunk_size):
+            chunk = list(range(start, min(start + args.chunk_size, len(conversations))))
             missing = [i for i in chunk if i not in done]
             if not missing:
                 continue
@@ -408,7 +454,8 @@ def prepare_data(
                 args.seed + start,
                 engine=engine,
                 indices=chunk,
-                counter=counter,
+                counter=None if backend == "bulk" else counter,
+                on_tokens=on_tokens,
             )
             lines = []
             for i, (messages, reasons) in zip(chunk, results):
@@ -433,11 +480,37 @@ def prepare_data(
     elapsed = time.perf_counter() - started
     if args.progress and counter[0]:
         print(
-            f"prepare-data ({args.backend}, {kernels} kernels): {counter[0]} tokens generated in {elapsed:.1f} s "
-            f"({counter[0] / elapsed:.1f} tokens/s, chunks of {args.batch_size})",
+            f"prepare-data ({label}): {counter[0]} tokens generated in {elapsed:.1f} s "
+            f"({counter[0] / elapsed:.1f} tokens/s, {args.batch_size} rows, chunks of {args.chunk_size})",
             file=sys.stderr,
         )
     return str(out)
+
+
+def _make_backend(target, args: PrepareDataArguments, kernels: str):
+    """The decoder for `args.backend`: `(engine or bulk generator or None, backend name, a label for the log)`.
+
+    A target the bulk generator cannot run falls back to the engine, and says so.
+    """
+    if args.backend == "bulk":
+        from .bulk import BulkGenerator, UnsupportedModelError, choose_dtype
+
+        dtype, why = choose_dtype(args.generation_dtype, target.device)
+        try:
+            generator = BulkGenerator(target, args.batch_size, dtype)
+        except UnsupportedModelError as err:
+            print(f"prepare-data: {err} Falling back to the engine backend.", file=sys.stderr)
+        else:
+            if args.progress:
+                print(f"prepare-data: bulk generator in {why}", file=sys.stderr)
+            return generator, "bulk", f"bulk, {dtype}".replace("torch.", "")
+    if args.backend == "generate":
+        return None, "generate", f"generate, {kernels} kernels"
+    from ..decoding.engine import DSparkEngine
+
+    # No tokenizer: responses are decoded once here, not after every token.
+    engine = DSparkEngine(target, None, None, max_batch_size=args.batch_size, kernels=kernels)
+    return engine, "engine", f"engine, {kernels} kernels"
 
 
 def load_target(name_or_path: str | None, dtype: str = "float32", device: str | None = None):
