@@ -1,4 +1,10 @@
-"""Throughput of `dspark prepare-data` on the default target: backends (engine, batched `generate()`) × kernels.
+"""Throughput of `dspark prepare-data` on the default target: backends (bulk, engine, batched `generate()`) × kernels.
+
+A variant is `BACKEND@KERNELS` for the engine and `generate()` backends (kernels: exact, packed, stock) and
+`bulk@DTYPE` for the bulk generator (bfloat16 or float32), so `bulk@bfloat16,bulk@float32` measures what the
+CPU's bf16 matrix units give, side by side; a `:ROWS` suffix (`engine@exact:48`) overrides `--batch-size` for
+that variant. The header names the CPU and its bf16 capability; the end, the peak
+RSS of the process.
 
 Every variant `BACKEND@KERNELS` answers the same training prompts (`dspark_hf.evaluation.prompt_sets.training_prompts`:
 chat, code and math) through `dspark_hf.train.prepare_data` itself, so the figure includes tokenization, the
@@ -13,7 +19,8 @@ on the exact kernels it is, by construction.
 
 Usage:
     python benchmarks/bench_prepare_data.py [--prompts 16] [--max-new-tokens 64] [--batch-size 16] \
-        [--repeats 3] [--modes sample,greedy] [--variants engine@exact,engine@stock,generate@stock] [--out results.json]
+        [--chunk-size N] [--repeats 3] [--modes sample,greedy] \
+        [--variants bulk@bfloat16,bulk@float32,engine@exact] [--out results.json]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -36,12 +44,23 @@ from dspark_hf.train import data as data_mod
 
 
 def run(
-    target, tokenizer, prompts, variant: str, batch_size: int, max_new: int, sample: bool, folder: Path
+    target,
+    tokenizer,
+    prompts,
+    variant: str,
+    batch_size: int,
+    max_new: int,
+    sample: bool,
+    folder: Path,
+    chunk_size: int | None = None,
 ) -> tuple[int, float, list]:
-    """One `prepare_data` run of `variant` (`BACKEND@KERNELS`); returns (tokens generated, seconds, records)."""
-    backend, _, kernels = variant.partition("@")
+    """One `prepare_data` run of `variant` (`BACKEND@KERNELS` or `bulk@DTYPE`); returns (tokens, seconds, records)."""
+    variant, _, rows = variant.partition(":")
+    batch_size = int(rows) if rows else batch_size
+    backend, _, setting = variant.partition("@")
     counted = [0]
-    originals = {"engine": data_mod.engine_turn, "generate": data_mod.generate_turn}
+    names = ("engine_turn", "generate_turn", "bulk_turn")
+    originals = {name: getattr(data_mod, name) for name in names}
 
     def counting(original):
         def wrapped(*a, **kw):
@@ -54,21 +73,28 @@ def run(
     args = PrepareDataArguments(
         output=str(folder / f"{backend}-{batch_size}-{'s' if sample else 'g'}-{time.perf_counter_ns()}.jsonl"),
         backend=backend,
-        kernels=kernels or None,
+        kernels=None if backend == "bulk" else setting or None,
+        generation_dtype=setting if backend == "bulk" else "auto",
         batch_size=batch_size,
+        chunk_size=chunk_size if backend == "bulk" else None,
         max_new_tokens=max_new,
         do_sample=sample,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
         seed=0,
         progress=False,
         device="cpu",
     )
-    data_mod.engine_turn, data_mod.generate_turn = counting(originals["engine"]), counting(originals["generate"])
+    for name in names:
+        setattr(data_mod, name, counting(originals[name]))
     try:
         start = time.perf_counter()
         path = data_mod.prepare_data(args, target=target, tokenizer=tokenizer, prompts=prompts)
         seconds = time.perf_counter() - start
     finally:
-        data_mod.engine_turn, data_mod.generate_turn = originals["engine"], originals["generate"]
+        for name in names:
+            setattr(data_mod, name, originals[name])
     records = [json.loads(line) for line in open(path)]
     return counted[0], seconds, records
 
@@ -81,7 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="rows decoded together")
+    parser.add_argument("--chunk-size", type=int, default=None, help="bulk: conversations per chunk (8 x rows)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="sample,greedy", help="comma-separated: sample, greedy")
     parser.add_argument("--threads", type=int, default=None)
@@ -96,8 +123,18 @@ def main() -> None:
     third = a.prompts // 3
     prompts = training_prompts(a.prompts - 2 * third, third, third, seed=0)[: a.prompts]
     folder = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
+    from dspark_hf.train.bulk import cpu_bf16_capability
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(
+        f"CPU: {cpu}; bf16 matrix unit: {cpu_bf16_capability() or 'none'}; torch {torch.__version__} "
+        f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     results: dict = {
         "host": platform.platform(),
+        "cpu": cpu,
+        "bf16_matrix_unit": cpu_bf16_capability(),
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_new_tokens": a.max_new_tokens,
@@ -114,7 +151,9 @@ def main() -> None:
         last = {}
         for r in range(a.repeats):
             for v in variants if r % 2 == 0 else variants[::-1]:
-                n, s, records = run(target, tokenizer, prompts, v, a.batch_size, a.max_new_tokens, sample, folder)
+                n, s, records = run(
+                    target, tokenizer, prompts, v, a.batch_size, a.max_new_tokens, sample, folder, a.chunk_size
+                )
                 rates[v].append(n / s)
                 tokens[v].append(n)
                 last[v] = records
@@ -132,7 +171,7 @@ def main() -> None:
         if not sample and not a.no_compare:
             refs = {}
             for v in variants:
-                kernels = v.partition("@")[2]
+                kernels = "stock" if v.startswith("bulk@") else v.partition("@")[2].partition(":")[0]
                 if kernels not in refs:
                     _, _, single = run(
                         target, tokenizer, prompts, f"generate@{kernels}", 1, a.max_new_tokens, False, folder
@@ -146,6 +185,8 @@ def main() -> None:
             e = entry[v]
             extra = e.get("identical_to_one_at_a_time_same_kernels", "")
             print(f"{mode:7s} {v:16s} median {e['tokens_per_s_median']:7.1f} tok/s  {e[f'over_{base}']:.2f}x {extra}")
+    results["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak RSS {results['peak_rss_gib']:.2f} GiB", file=sys.stderr)
     print(json.dumps(results, indent=2))
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
