@@ -7,8 +7,10 @@ that grows by concatenation, per-module dispatch, padding rows that already fini
 [`BulkGenerator`] keeps what matters lean:
 
 - **fused weights**, one `[q; k; v]` and one `[gate; up]` product per layer, in the generation dtype;
-- **preallocated KV**: one buffer per layer for keys, `[rows, kv_heads, head_dim, capacity]` (transposed, so a
-  query's scores are one product without a copy), and one for values, `[rows, kv_heads, capacity, head_dim]`;
+- **preallocated KV**: one key and one value buffer per layer, `[rows, kv_heads, capacity, head_dim]` in the
+  generation dtype, written in place and grown 64 positions at a time; a step attends over the whole buffer
+  (masked past each row's length), because a contiguous bf16 product is several times faster than one over
+  a strided slice;
 - **continuous batching**: a row that finishes is refilled from the queue at once (a batched prefill of the
   newcomers), and the live rows are kept at the front of the buffers, so a step costs the live rows only;
 - **sampling** from the full softmax at the requested temperature (optionally top-k / top-p) with one seeded
@@ -135,18 +137,20 @@ class BulkGenerator:
         self.values: list[torch.Tensor] = []
 
     def _reserve(self, capacity: int) -> None:
-        """KV buffers for `capacity` positions per row (kept when the current ones are big enough)."""
-        if self.keys and self.keys[0].shape[3] >= capacity:
+        """KV buffers with room for `capacity` positions per row: grown (contents kept) in steps of 64."""
+        old = self.keys[0].shape[2] if self.keys else 0
+        if old >= capacity:
             return
-        capacity = -(-capacity // 64) * 64
-        shape = (self.max_rows, self.num_kv_heads, capacity, self.head_dim)
-        self.keys = self.values = []  # let the old buffers go before the new ones are made
-        # float32 whatever the weights' dtype: a bf16 batched product copies a strided operand first, which
-        # cost more than the products themselves here; attention is a small share of a step's arithmetic.
-        # Zeros, not empty: a masked key's weight is 0, and 0 x (NaN garbage in a never-written slot) is NaN.
-        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device).transpose(2, 3) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+        shape = (self.max_rows, self.num_kv_heads, -(-capacity // 64) * 64, self.head_dim)
+        for buffers in (self.keys, self.values):
+            for i in range(len(self.layers)):
+                # Zeros, not empty: a masked key's weight is 0, and 0 x (NaN garbage in an unwritten slot) is NaN.
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if old:
+                    grown[:, :, :old] = buffers[i]
+                    buffers[i] = grown
+                else:
+                    buffers.append(grown)
 
     def _fuse(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -204,27 +208,28 @@ class BulkGenerator:
         index = torch.tensor(slots, device=self.device)
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             q, k, v = self._attention_inputs(layer, h, cos, sin)
-            keys[index, :, :, :width] = k.transpose(2, 3).to(keys.dtype)
-            values[index, :, :width] = v.to(values.dtype)
+            keys[index, :, :width] = k
+            values[index, :, :width] = v
             # Right padding: every real query sees only real keys before it, so a causal mask is enough.
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             h = self._finish_layer(layer, h, attended)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self._logits(h[torch.arange(len(prompts)), last])
 
-    def _decode(self, tokens: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+    def _decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One token for the first `len(tokens)` rows, at positions `lengths`; their next-token logits."""
         rows = len(tokens)
         h = self.embed[tokens].unsqueeze(1)
         cos, sin = self._rope(h, lengths.unsqueeze(1))
         arange = torch.arange(rows, device=self.device)
         # -inf on each row's keys past its own length (buffers are shared by rows of different lengths)
-        hidden = (torch.arange(span, device=self.device) > lengths.unsqueeze(1)).view(rows, 1, 1, span)
+        width = self.keys[0].shape[2]
+        hidden = (torch.arange(width, device=self.device) > lengths.unsqueeze(1)).view(rows, 1, 1, width)
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             q, k, v = self._attention_inputs(layer, h, cos, sin)
-            keys[arange, :, :, lengths] = k[:, :, 0].to(keys.dtype)
-            values[arange, :, lengths] = v[:, :, 0].to(values.dtype)
-            attended = self._decode_attention(q, keys[:rows, :, :, :span], values[:rows, :, :span], hidden)
+            keys[arange, :, lengths] = k[:, :, 0]
+            values[arange, :, lengths] = v[:, :, 0]
+            attended = self._decode_attention(q, keys[:rows], values[:rows], hidden)
             h = self._finish_layer(layer, h, attended)
         return self._logits(h[:, 0])
 
@@ -233,10 +238,11 @@ class BulkGenerator:
         kernel is several times slower for a single query)."""
         rows, _, _, d = q.shape
         group = self.num_heads // self.num_kv_heads
-        q = q.reshape(rows, self.num_kv_heads, group, d).to(keys.dtype)
-        scores = torch.matmul(q, keys).mul_(d**-0.5)
-        probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1)
-        return torch.matmul(probs, values).view(rows, self.num_heads, 1, d).to(self.dtype)
+        q = q.reshape(rows, self.num_kv_heads, group, d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32))
+        scores.mul_(d**-0.5)
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).to(self.dtype)
+        return torch.matmul(probs, values).view(rows, self.num_heads, 1, d)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(_rms_norm(h, self.final_norm, self.eps), self.lm_head)
@@ -274,7 +280,6 @@ class BulkGenerator:
             raise ValueError(f"Every prompt needs a token and max_new_tokens must be >= 1, got {max_new_tokens}.")
         if not prompts:
             return []
-        self._reserve(max(len(p) for p in prompts) + max_new_tokens)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         stop = set(stop_ids)
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -293,6 +298,7 @@ class BulkGenerator:
             if queue and free and (free >= max(1, self.max_rows // 8) or not owner):
                 joining = [queue.pop() for _ in range(min(free, len(queue)))]
                 slots = list(range(len(owner), len(owner) + len(joining)))
+                self._reserve(max(len(prompts[i]) for i in joining))
                 first = sample(self._prefill(slots, [prompts[i] for i in joining]))
                 owner += joining
                 lengths += [len(prompts[i]) for i in joining]
@@ -302,11 +308,9 @@ class BulkGenerator:
                 if on_tokens is not None:
                     on_tokens(len(joining))
             else:
-                span = max(lengths) + 1
+                self._reserve(max(lengths) + 1)
                 nxt = sample(
-                    self._decode(
-                        torch.tensor(pending, device=self.device), torch.tensor(lengths, device=self.device), span
-                    )
+                    self._decode(torch.tensor(pending, device=self.device), torch.tensor(lengths, device=self.device))
                 )
                 for r, token in enumerate(nxt):
                     outputs[owner[r]].append(token)
@@ -328,7 +332,7 @@ class BulkGenerator:
             last = len(owner) - 1
             if r != last:
                 for keys, values in zip(self.keys, self.values):
-                    keys[r, :, :, : lengths[last]] = keys[last, :, :, : lengths[last]]
+                    keys[r, :, : lengths[last]] = keys[last, :, : lengths[last]]
                     values[r, :, : lengths[last]] = values[last, :, : lengths[last]]
                 owner[r], lengths[r], pending[r] = owner[last], lengths[last], pending[last]
             owner.pop(), lengths.pop(), pending.pop()
