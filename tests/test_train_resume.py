@@ -124,3 +124,8 @@ def test_kill_and_resume_continues_identically(tmp_path):
     assert all(final_ref[k].equal(final_run[k]) for k in final_ref)
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]  # save_total_limit
     assert not list(run.glob(".tmp-*"))
+    # the cost on the draft's folder adds up the resumed parts: the same steps and tokens as the uninterrupted run
+    cost_ref, cost_run = (json.loads((d / "training_cost.json").read_text()) for d in (ref, run))
+    assert cost_ref["steps"] == cost_run["steps"] == 10
+    assert cost_run["tokens"] == cost_ref["tokens"] > 0 and cost_run["slots"] == cost_ref["slots"] > 0
+    assert cost_run["cpu_seconds"] > 0 and cost_run["tokens_per_s"] > 0

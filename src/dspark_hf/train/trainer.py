@@ -36,6 +36,7 @@ from .features import FeatureCache, log_partition_at, pad_features, target_featu
 from .losses import IGNORE_INDEX, Blocks, LossOutput, acceptance_estimates, build_blocks, dspark_loss, sample_anchors
 
 METRICS_FILE = "metrics.jsonl"
+COST_FILE = "training_cost.json"
 
 
 @dataclass
@@ -56,6 +57,43 @@ class TrainState:
 
 
 @dataclass
+class TrainingCost:
+    """What a run has cost so far, summed over every resumed part (kept in each checkpoint's trainer state and
+    written to `training_cost.json` beside the draft).
+
+    Args:
+        steps (`int`): optimizer steps.
+        tokens (`int`): context tokens the drafts were trained on (all processes).
+        slots (`int`): drafted block slots supervised (all processes).
+        cpu_seconds (`float`): CPU time of the main process (all its threads), in training steps.
+        wall_seconds (`float`): wall-clock time in training steps (feature caching and evaluation excluded).
+        mixed_precision (`str`): the precision the steps ran in (the last part's, if resumed with another).
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    slots: int = 0
+    cpu_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    mixed_precision: str = "no"
+
+    def add(self, tokens: float, slots: float, wall: float, cpu: float) -> None:
+        self.steps += 1
+        self.tokens += int(tokens)
+        self.slots += int(slots)
+        self.wall_seconds += wall
+        self.cpu_seconds += cpu
+
+    def summary(self) -> dict[str, Any]:
+        """The fields plus throughput: tokens per wall second and per CPU minute."""
+        return {
+            **asdict(self),
+            "tokens_per_s": self.tokens / self.wall_seconds if self.wall_seconds else 0.0,
+            "cpu_minutes": self.cpu_seconds / 60,
+        }
+
+
+@dataclass
 class TrainResult:
     """What [`train`] returns.
 
@@ -65,6 +103,7 @@ class TrainResult:
         global_step (`int`): optimizer steps done.
         eval_metrics (`dict[str, float]`, *optional*): the final held-out evaluation.
         is_main_process (`bool`): whether this process is the main one (the one that writes files).
+        cost ([`TrainingCost`], *optional*): tokens, steps and time, cumulative over resumed parts.
     """
 
     model: Any
@@ -72,6 +111,7 @@ class TrainResult:
     global_step: int
     eval_metrics: dict[str, float] | None
     is_main_process: bool = True
+    cost: TrainingCost | None = None
 
 
 def anchor_seed(seed: int, epoch: int, index: int) -> int:
@@ -501,12 +541,13 @@ def train(
         "training": asdict(train_args),
         "lora": asdict(lora_args),
     }
-    start_step = 0
+    start_step, cost = 0, TrainingCost()
     resume = resolve_resume(train_args.resume_from_checkpoint, out_dir)
     if resume is not None:
         state = load_checkpoint(resume, model, raw_optimizer)
         scheduler.load_state_dict(state["scheduler"])
-        start_step = state["step"]
+        start_step, cost = state["step"], TrainingCost(**state.get("cost", {}))
+    cost.mixed_precision = train_args.mixed_precision
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "run_args.json").write_text(json.dumps(run_args, indent=2))
@@ -562,7 +603,7 @@ def train(
     eval_metrics = None
     gamma = draft_config.block_size
     for step in range(start_step, max_steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = torch.zeros(6 + 2 * gamma, dtype=torch.float64, device=accelerator.device)
         for micro in range(accum):
             items = micro_batch_items(step, micro, rank, world, batch, accum, len(train_ds), train_args.seed)
@@ -591,6 +632,7 @@ def train(
         stats[:4] = accelerator.reduce(stats[:4], reduction="mean")
         stats[4:] = accelerator.reduce(stats[4:], reduction="sum")
         elapsed = time.perf_counter() - t0
+        cost.add(float(stats[4]), float(stats[5]), elapsed, time.process_time() - cpu0)
         metrics = {
             "loss": float(stats[0]),
             "ce": float(stats[1]),
@@ -620,7 +662,7 @@ def train(
                 trainable,
                 out_dir / f"checkpoint-{done}",
                 done,
-                run_args,
+                {"args": run_args, "cost": asdict(cost)},
                 train_args.save_total_limit,
             )
         for callback in callbacks:
@@ -633,14 +675,20 @@ def train(
         unwrapped.save_pretrained(out_dir, state_dict=model_sd, safe_serialization=True)
         if eval_metrics is not None:
             (out_dir / "eval_results.json").write_text(json.dumps(eval_metrics, indent=2))
+        (out_dir / COST_FILE).write_text(json.dumps(cost.summary(), indent=2))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return TrainResult(
-        model=unwrapped, output_dir=str(out_dir), global_step=max_steps, eval_metrics=eval_metrics, is_main_process=main
+        model=unwrapped,
+        output_dir=str(out_dir),
+        global_step=max_steps,
+        eval_metrics=eval_metrics,
+        is_main_process=main,
+        cost=cost,
     )
 
 
-def _save(accelerator, model, optimizer, scheduler, trainable, folder: Path, step: int, run_args, keep) -> None:
+def _save(accelerator, model, optimizer, scheduler, trainable, folder: Path, step: int, extra, keep) -> None:
     model_sd, optim_sd = gather_states(model, optimizer)  # collective: every process takes part
     if accelerator.is_main_process:
         save_checkpoint(
@@ -651,7 +699,7 @@ def _save(accelerator, model, optimizer, scheduler, trainable, folder: Path, ste
             trainable,
             scheduler.state_dict(),
             step,
-            {"args": run_args},
+            extra,
         )
         prune_checkpoints(folder.parent, keep)
     accelerator.wait_for_everyone()
