@@ -161,8 +161,12 @@ def test_unrelated_prompts_and_shared_boilerplate_are_kept():
         # the evaluation's code wrapper (shared by 6 references: boilerplate, not content) around another function
         "Complete this Python function. Reply with the whole function in a code block.\n\n"
         "def moving_average(values, window):\n    '''The running mean of values over window items.'''",
+        # ... and around a function named like a reference (`below_zero`): the 13-gram it shares with that
+        # reference, "... in a code block python def below", is mostly boilerplate, not the reference's content
+        "Complete this Python function. Reply with the whole function in a code block.\n\n"
+        "def below_threshold(readings, limit):\n    '''Count the sensor readings under limit, skipping None.'''",
     ]
-    assert [index.match(text) for text in controls] == [None, None, None]
+    assert [index.match(text) for text in controls] == [None] * 4
 
 
 def test_evaluation_sets_are_kept_out_after_light_edits():
@@ -247,7 +251,8 @@ def test_prompt_file_is_cleaned_counted_and_resumes_to_the_same_file(chat_model,
     with part.open("a") as f:
         f.write('{"prompt": "half a line')
     resumed = _build(part, chat_model)
-    assert part.read_bytes() == whole.read_bytes() and resumed.to_dict() == report.to_dict()
+    assert part.read_bytes() == whole.read_bytes()
+    assert {**resumed.to_dict(), "magpie_seconds": 0} == {**report.to_dict(), "magpie_seconds": 0}
     assert _build(part, chat_model).rows == 40 and part.read_bytes() == whole.read_bytes()  # done: nothing to add
 
     with pytest.raises(ValueError, match="was started with"):

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,9 +149,11 @@ class NearDuplicateIndex:
     A text matches when, after [`normalise_prompt`] (so punctuation, casing and spacing never matter):
 
     - `"exact"`: it equals a reference;
-    - `"ngram"`: it shares a word `ngram`-gram (13 by default, as in contamination checks) with a reference,
-      except n-grams that `template_df` or more references share (instruction boilerplate such as the
-      evaluation's own "Complete this Python function …" wrapper, which is not the content of any one item);
+    - `"ngram"`: it shares a word `ngram`-gram (13 by default, as in contamination checks) with a reference whose
+      words are mostly the reference's own: a word counts as boilerplate when it lies in a `template_ngram`-gram
+      (8 words) that `template_df` or more references share (an instruction wrapper such as the evaluation's
+      "Complete this Python function …" or "Answer step by step, then give the final number."), and an n-gram
+      needs more than half of its words outside boilerplate;
     - `"jaccard"`: the Jaccard similarity of its character `char_ngram`-gram sets and a reference's is at least
       `jaccard` (a lightly edited reference: a word changed, added or dropped).
 
@@ -166,6 +169,7 @@ class NearDuplicateIndex:
         char_ngram: int = 5,
         jaccard: float = 0.5,
         template_df: int = 5,
+        template_ngram: int = 8,
         rare_df: int = 16,
     ) -> None:
         if not 0.0 < jaccard <= 1.0:
@@ -174,11 +178,7 @@ class NearDuplicateIndex:
         keys = list(dict.fromkeys(normalise_prompt(t) for t in reference_texts))
         self.references = keys
         self.exact = set(keys)
-        ngram_df: Counter = Counter()
-        per_ref = [self._ngrams(k) for k in keys]
-        for grams in per_ref:
-            ngram_df.update(grams)
-        self.ngrams = {g for g, df in ngram_df.items() if df < template_df}
+        self.ngrams = self._content_ngrams(keys, template_ngram, template_df)
         self.shingles = [self._shingles(k) for k in keys]
         shingle_df: Counter = Counter()
         for s in self.shingles:
@@ -192,6 +192,23 @@ class NearDuplicateIndex:
             for x in s:
                 if shingle_df[x] <= rare_df:
                     self.index.setdefault(x, []).append(i)
+
+    def _content_ngrams(self, keys: list[str], template_ngram: int, template_df: int) -> set[tuple[str, ...]]:
+        """The references' `ngram`-grams with more than half of their words outside boilerplate."""
+        words = [k.split() for k in keys]
+        df: Counter = Counter()
+        for w in words:
+            df.update({tuple(w[i : i + template_ngram]) for i in range(len(w) - template_ngram + 1)})
+        out = set()
+        for w in words:
+            covered = [False] * len(w)
+            for i in range(len(w) - template_ngram + 1):
+                if df[tuple(w[i : i + template_ngram])] >= template_df:
+                    covered[i : i + template_ngram] = [True] * template_ngram
+            for i in range(len(w) - self.ngram + 1):
+                if 2 * (self.ngram - sum(covered[i : i + self.ngram])) > self.ngram:
+                    out.add(tuple(w[i : i + self.ngram]))
+        return out
 
     def _ngrams(self, key: str) -> set[tuple[str, ...]]:
         words = key.split()
@@ -545,6 +562,7 @@ class BuildReport:
     magpie_tokens: int = 0
     magpie_batches: int = 0
     magpie_mix: dict = field(default_factory=dict)
+    magpie_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -555,6 +573,7 @@ class BuildReport:
             "magpie_tokens": self.magpie_tokens,
             "magpie_batches": self.magpie_batches,
             "magpie_mix": self.magpie_mix,
+            "magpie_seconds": self.magpie_seconds,
         }
 
     @classmethod
@@ -567,6 +586,7 @@ class BuildReport:
             d["magpie_tokens"],
             d["magpie_batches"],
             {k: Counter(v) for k, v in d["magpie_mix"].items()},
+            d.get("magpie_seconds", 0.0),
         )
 
     def summary(self) -> str:
@@ -578,7 +598,9 @@ class BuildReport:
             kept = sum(c for s, c in self.per_source.items() if s.startswith("magpie"))
             lines.append(
                 f"  magpie: {self.magpie_generated} generated in {self.magpie_batches} batches, {self.magpie_tokens} "
-                f"tokens, {kept} kept ({100 * kept / self.magpie_generated:.1f}%)"
+                f"tokens, {kept} kept ({100 * kept / self.magpie_generated:.1f}%); "
+                f"{self.magpie_generated / max(self.magpie_seconds, 1e-9):.2f} samples/s, "
+                f"{self.magpie_tokens / max(self.magpie_seconds, 1e-9):.0f} tokens/s"
             )
             for topic, mix in sorted(self.magpie_mix.items()):
                 total = sum(mix.values()) or 1
@@ -605,7 +627,7 @@ def _clean(rows, seen, prompt_filter, index, report: BuildReport) -> list[dict]:
 
 def build_prompt_file(
     output: str | Path,
-    offline_rows: Sequence[dict],
+    offline_rows: Sequence[dict] | Callable[[], Sequence[dict]],
     *,
     total: int,
     reference: NearDuplicateIndex | None = None,
@@ -616,7 +638,7 @@ def build_prompt_file(
     systems: dict[str, str | None] | None = None,
     batch: int = 512,
     rows: int = 256,
-    max_new_tokens: int = 256,
+    max_new_tokens: int = 128,
     temperature: float = 1.0,
     seed: int = 0,
     dtype=None,
@@ -639,7 +661,8 @@ def build_prompt_file(
 
     Args:
         output: the JSONL file.
-        offline_rows: `{"prompt", "source"}` rows from offline sources (the same list on every call).
+        offline_rows: `{"prompt", "source"}` rows from offline sources, or a function that returns them (called
+            only while they are not yet in the file).
         total (`int`): rows wanted in the file.
         reference ([`NearDuplicateIndex`], *optional*): texts to keep out (the evaluation sets).
         exclude_exact: prompts to keep out by [`normalise_prompt`] key only (e.g. calibration prompts).
@@ -688,7 +711,8 @@ def build_prompt_file(
         tmp.replace(state_path)
 
     if not state["offline_done"]:
-        cleaned = _clean([dict(r) for r in offline_rows], seen, prompt_filter, reference, report)
+        offline = offline_rows() if callable(offline_rows) else offline_rows
+        cleaned = _clean([dict(r) for r in offline], seen, prompt_filter, reference, report)
         state["offline_done"] = True
         append(cleaned)
 
@@ -705,6 +729,7 @@ def build_prompt_file(
     done_here = 0
     while report.rows < total and (max_batches is None or done_here < max_batches):
         b = report.magpie_batches
+        started = time.perf_counter()
         samples = magpie_prompts(
             target,
             tokenizer,
@@ -716,6 +741,7 @@ def build_prompt_file(
             seed=seed + b,
             generator=generator,
         )
+        report.magpie_seconds += time.perf_counter() - started
         report.magpie_generated += len(samples)
         report.magpie_tokens += sum(s.num_tokens for s in samples)
         report.magpie_batches += 1
