@@ -189,11 +189,7 @@ def generate_turn(
     """
     from transformers import GenerationConfig
 
-    kw = args.chat_template_kwargs or {}
-    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
-    stop = _stop_ids(target, tokenizer)
-    if not stop:
-        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
+    prompts, stop = _turn_prompts(target, tokenizer, conversations, args)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     width = max(len(p) for p in prompts)
     # Left padding, so every row's next token is generated at the same column.
@@ -220,6 +216,23 @@ def generate_turn(
     return results, generated
 
 
+def _turn_prompts(target, tokenizer, conversations: list[list[dict]], args: PrepareDataArguments):
+    """The token ids of each conversation's generation prompt, and the ids a response stops at."""
+    stop = _stop_ids(target, tokenizer)
+    if not stop:
+        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
+    kw = args.chat_template_kwargs or {}
+    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
+    return prompts, stop
+
+
+def _response(tokenizer, tokens: list[int], stop: list[int]) -> tuple[str, str]:
+    """`(text, finish_reason)` of generated `tokens`: `"stop"` when they end with a stop id (left out of the text)."""
+    stopped = bool(tokens) and tokens[-1] in stop
+    text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+    return text, "stop" if stopped else "length"
+
+
 def turn_seed(seed: int, index: int, turn: int) -> int:
     """Seed of the generator that samples turn `turn` of conversation `index` (the engine backend)."""
     return (seed * 1_000_003 + index * 104_729 + turn * 7_919) % (2**62)
@@ -240,11 +253,7 @@ def engine_turn(
     """
     from ..decoding.engine import SamplingParams
 
-    kw = args.chat_template_kwargs or {}
-    stop = _stop_ids(engine.target, tokenizer)
-    if not stop:
-        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
-    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
+    prompts, stop = _turn_prompts(engine.target, tokenizer, conversations, args)
     params = [
         SamplingParams(
             max_new_tokens=args.max_new_tokens,
@@ -261,11 +270,8 @@ def engine_turn(
     for out in engine.generate(prompts, params):
         if not out.ok:
             raise ValueError(f"prepare-data could not generate a response: {out.error}")
-        tokens = out.token_ids
-        generated += len(tokens)
-        stopped = bool(tokens) and tokens[-1] in stop
-        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
-        results.append((text, "stop" if stopped else "length"))
+        generated += len(out.token_ids)
+        results.append(_response(tokenizer, out.token_ids, stop))
     return results, generated
 
 
@@ -278,11 +284,7 @@ def bulk_turn(
         `tuple[list[tuple[str, str]], int]`: `(response_text, finish_reason)` per conversation as in
         [`generate_turn`], and the number of tokens generated.
     """
-    kw = args.chat_template_kwargs or {}
-    stop = _stop_ids(generator.target, tokenizer)
-    if not stop:
-        raise ValueError("Neither the target's generation_config nor the tokenizer defines an EOS token to stop at.")
-    prompts = [tokenizer(_render(tokenizer, c, True, kw), add_special_tokens=False)["input_ids"] for c in conversations]
+    prompts, stop = _turn_prompts(generator.target, tokenizer, conversations, args)
     outputs = generator.generate(
         prompts,
         args.max_new_tokens,
@@ -294,12 +296,7 @@ def bulk_turn(
         seed=seed,
         on_tokens=on_tokens,
     )
-    results = []
-    for tokens in outputs:
-        stopped = tokens[-1] in stop
-        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
-        results.append((text, "stop" if stopped else "length"))
-    return results, sum(map(len, outputs))
+    return [_response(tokenizer, tokens, stop) for tokens in outputs], sum(map(len, outputs))
 
 
 def regenerate_conversations(
