@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from dspark_hf.evaluation.prompt_sets import evaluation_texts
 from dspark_hf.train import bulk
 from dspark_hf.train.prompts import (
     NearDuplicateIndex,
@@ -16,7 +17,6 @@ from dspark_hf.train.prompts import (
     classify_topic,
     dedupe_prompts,
     end_of_turn_ids,
-    evaluation_texts,
     exclude_near_duplicates,
     filter_prompts,
     magpie_prompts,

@@ -39,6 +39,7 @@ from dspark_hf.evaluation.prompt_sets import (
     SHAREGPT_HELDOUT_START,
     _usable_first_turn,
     calibration_prompts,
+    evaluation_texts,
     sharegpt_conversations,
     training_prompts,
 )
@@ -46,7 +47,6 @@ from dspark_hf.train.prompts import (
     MAGPIE_SYSTEMS,
     NearDuplicateIndex,
     build_prompt_file,
-    evaluation_texts,
     shakespeare_writing_prompts,
 )
 

@@ -22,6 +22,7 @@ import inspect
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -283,6 +284,27 @@ def _math_prompts(n: int, rng: random.Random) -> list[str]:
         problems = _math_problems(a, b, c, x, y, rng.choice(_ITEMS))
         out.append(problems[i % len(problems)] + " Answer step by step, then give the final number.")
     return out
+
+
+def evaluation_texts(prompt_files: Sequence[str | Path] = ()) -> list[str]:
+    """Every prompt of `dspark eval`'s evaluation sets (`EVAL_SETS`), plus those of `prompt_files`.
+
+    `prompt_files` are `dspark eval --prompts` files (e.g. the held-out set `heldout_prompts.py` writes), read
+    with [`load_prompt_file`]. The sets' raw items are added as well as their
+    prompts (a GSM8K question without the evaluation's instruction, a HumanEval header without its wrapper).
+    """
+    texts = []
+    for name in EVAL_SETS:
+        for item in load_prompt_set(name):
+            texts.append(item.prompt)
+            task = item.reference.get("task")
+            if isinstance(task, dict) and task.get("prompt"):
+                texts.append(task["prompt"])  # HumanEval's header and docstring
+            if name == "gsm8k":
+                texts.append(item.prompt.rsplit("\nAnswer step by step", 1)[0])  # the bare question
+    for path in prompt_files:
+        texts += [item.prompt for items in load_prompt_file(path).values() for item in items]
+    return texts
 
 
 def training_chat_pool() -> list[str]:

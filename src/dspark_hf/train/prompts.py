@@ -14,8 +14,8 @@ numerous they are, the better; what must never be among them is an evaluation pr
   [`dspark_hf.evaluation.prompt_sets.training_prompts`] and the default drafts' prompt scripts.
 - **cleaning**: [`dedupe_prompts`] (exact match after [`normalise_prompt`]), [`filter_prompts`] (too short or
   long, repetitive, mostly non-ASCII) and [`NearDuplicateIndex`] / [`exclude_near_duplicates`], which keeps
-  reference texts (the evaluation sets, [`evaluation_texts`]) out by exact match, a shared word 13-gram (as in
-  contamination checks) and character 5-gram Jaccard similarity.
+  reference texts out (the evaluation sets: [`dspark_hf.evaluation.prompt_sets.evaluation_texts`]) by exact
+  match, a shared word 13-gram (as in contamination checks) and character 5-gram Jaccard similarity.
 - **a resumable prompt file** ([`build_prompt_file`]): offline rows, then Magpie batches until the file holds the
   requested number of prompts, each batch appended with its progress recorded beside the file, so a run stopped
   at any point and started again writes the same file as a run that never stopped.
@@ -269,29 +269,6 @@ def exclude_near_duplicates(
         else:
             excluded[hit[0]] += 1
     return kept, excluded
-
-
-def evaluation_texts(prompt_files: Sequence[str | Path] = ()) -> list[str]:
-    """Every prompt of `dspark eval`'s evaluation sets (`EVAL_SETS`), plus those of `prompt_files`.
-
-    `prompt_files` are `dspark eval --prompts` files (e.g. the held-out set `heldout_prompts.py` writes), read
-    with [`dspark_hf.evaluation.prompt_sets.load_prompt_file`]. The sets' raw items are added as well as their
-    prompts (a GSM8K question without the evaluation's instruction, a HumanEval header without its wrapper).
-    """
-    from ..evaluation.prompt_sets import EVAL_SETS, load_prompt_file, load_prompt_set
-
-    texts = []
-    for name in EVAL_SETS:
-        for item in load_prompt_set(name):
-            texts.append(item.prompt)
-            task = item.reference.get("task")
-            if isinstance(task, dict) and task.get("prompt"):
-                texts.append(task["prompt"])  # HumanEval's header and docstring
-            if name == "gsm8k":
-                texts.append(item.prompt.rsplit("\nAnswer step by step", 1)[0])  # the bare question
-    for path in prompt_files:
-        texts += [item.prompt for items in load_prompt_file(path).values() for item in items]
-    return texts
 
 
 # ---------------------------------------------------------------------- prompts the target writes (Magpie)
