@@ -506,10 +506,10 @@ def test_cli_eval_runs_with_and_without_lookup(tiny, tmp_path):
 
 def test_acceptance_plots_leave_out_points_from_few_rounds():
     """A lone round at the block's end must not plot as a conditional acceptance of 1.0 (or 0.0)."""
-    from dspark_hf.evaluation.harness import MIN_CURVE_ROUNDS, _thin_curve
+    from dspark_hf.evaluation.plots import MIN_CURVE_ROUNDS, thin_curve
 
     values, counts = [0.36, 0.22, 0.2, 1.0, None], [2039, 672, MIN_CURVE_ROUNDS, MIN_CURVE_ROUNDS - 1, 0]
-    thinned = _thin_curve(values, counts)
+    thinned = thin_curve(values, counts)
     assert thinned[:3] == [0.36, 0.22, 0.2]  # enough rounds: kept as they are
     assert all(math.isnan(v) for v in thinned[3:])  # one round short, and no round at all: gaps
-    assert _thin_curve([0.5, None], None)[0] == 0.5 and math.isnan(_thin_curve([0.5, None], None)[1])
+    assert thin_curve([0.5, None], None)[0] == 0.5 and math.isnan(thin_curve([0.5, None], None)[1])
