@@ -50,7 +50,7 @@ def test_first_token_gap_scores_the_first_drafted_token_as_training_does():
     """The script's plain mean is training's accept@1 over the same anchors; its weights average about 1."""
     from dspark_hf.train.features import target_features, target_logits
     from dspark_hf.train.losses import build_blocks, dspark_loss, valid_anchor_positions
-    from dspark_hf.train.trainer import forward_blocks
+    from dspark_hf.train.step import forward_blocks
 
     gap = _script("first_token_gap")
     target = make_target(dtype=torch.float32)

@@ -266,7 +266,7 @@ def test_growing_a_draft_keeps_its_predictions_then_trains_the_new_layer(tiny, t
     exactly what the draft it grew from predicts (the same logits and confidences), and training then moves
     the new layer (its output projections leave zero) and saves a draft with the extra layer that still
     generates losslessly."""
-    from dspark_hf.train.trainer import grow_layers
+    from dspark_hf.train.surgery import grow_layers
 
     _, data = tiny
     target = make_chat_target()
@@ -317,7 +317,7 @@ def test_a_dflash_draft_upgraded_with_heads_proposes_the_same_then_trains_them(t
     tokens. Through `train()` (preset dspark) the heads train (W2 leaves zero), and the saved draft loads as a
     DSpark draft with the heads and still generates losslessly. A deliberately wrong upgrade (W2 left random)
     changes the logits: the identity check has power."""
-    from dspark_hf.train.trainer import add_heads
+    from dspark_hf.train.surgery import add_heads
 
     _, data = tiny
     target = make_chat_target()
@@ -366,14 +366,14 @@ def test_a_dflash_draft_upgraded_with_heads_proposes_the_same_then_trains_them(t
 
 def test_add_heads_needs_a_draft_and_a_sequential_head():
     from dspark_hf.train.args import LoraArguments
-    from dspark_hf.train.trainer import _build_model
+    from dspark_hf.train.surgery import build_draft
 
     with pytest.raises(ValueError, match="init_from"):
         ModelArguments(add_heads=True)
     with pytest.raises(ValueError, match="sequential_head"):
         ModelArguments(init_from="x", add_heads=True, preset="dflash")
     with pytest.raises(ValueError, match="--lora"):
-        _build_model(make_chat_target(), ModelArguments(init_from="x", add_heads=True), LoraArguments(lora=True))
+        build_draft(make_chat_target(), ModelArguments(init_from="x", add_heads=True), LoraArguments(lora=True))
 
 
 def test_add_layers_needs_a_draft_to_grow():
@@ -385,10 +385,10 @@ def test_add_layers_needs_a_draft_to_grow():
 
 def test_add_layers_is_refused_with_lora():
     from dspark_hf.train.args import LoraArguments
-    from dspark_hf.train.trainer import _build_model
+    from dspark_hf.train.surgery import build_draft
 
     with pytest.raises(ValueError, match="--lora"):
-        _build_model(make_chat_target(), ModelArguments(init_from="x", add_layers=1), LoraArguments(lora=True))
+        build_draft(make_chat_target(), ModelArguments(init_from="x", add_layers=1), LoraArguments(lora=True))
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -397,7 +397,7 @@ def test_a_fresh_draft_can_start_from_the_targets_top_layers(tiny, tmp_path, lay
     draft's final norm the target's; the Qwen3-style q/k norms the target lacks keep their fresh values. Through
     `train()` the option reaches the model (a draft trained 1 step at learning rate 0 still holds the copy), and
     without it (the control) the layers are random."""
-    from dspark_hf.train.trainer import _build_model, init_layers_from_target
+    from dspark_hf.train.surgery import build_draft, init_layers_from_target
 
     _, data = tiny
     target = make_chat_target()
@@ -420,7 +420,7 @@ def test_a_fresh_draft_can_start_from_the_targets_top_layers(tiny, tmp_path, lay
 
     for flag in (True, False):
         torch.manual_seed(0)
-        built = _build_model(target, ModelArguments(num_hidden_layers=1, init_layers_from_target=flag), LoraArguments())
+        built = build_draft(target, ModelArguments(num_hidden_layers=1, init_layers_from_target=flag), LoraArguments())
         same = torch.equal(built.layers[0].mlp.up_proj.weight, top[-1].mlp.up_proj.weight)
         assert same is flag
     train(
@@ -436,7 +436,7 @@ def test_a_fresh_draft_can_start_from_the_targets_top_layers(tiny, tmp_path, lay
 
 
 def test_init_layers_from_target_is_for_fresh_drafts_and_needs_matching_shapes():
-    from dspark_hf.train.trainer import init_layers_from_target
+    from dspark_hf.train.surgery import init_layers_from_target
 
     with pytest.raises(ValueError, match="fresh draft"):
         ModelArguments(init_from="x", init_layers_from_target=True)

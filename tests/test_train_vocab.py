@@ -18,7 +18,7 @@ from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments,
 from dspark_hf.train.data import load_token_dataset
 from dspark_hf.train.features import target_features, target_logits
 from dspark_hf.train.losses import IGNORE_INDEX, acceptance_estimates, build_blocks, dspark_loss, position_weights
-from dspark_hf.train.trainer import forward_blocks
+from dspark_hf.train.step import forward_blocks
 from train_helpers import make_char_tokenizer, make_chat_target
 
 from helpers import make_target
@@ -142,12 +142,12 @@ def _subset_step(target, draft, subset, seq_len: int = 20):
 
     from dspark_hf.train.data import TokenDataset
     from dspark_hf.train.losses import valid_anchor_positions
-    from dspark_hf.train.trainer import _BlockStep
+    from dspark_hf.train.step import BlockStep
 
     torch.manual_seed(2)
     ids = torch.randint(0, target.config.vocab_size, (seq_len,))
     mask = torch.ones(seq_len, dtype=torch.bool)
-    runner = _BlockStep(
+    runner = BlockStep(
         target,
         draft.config,
         TrainArguments(output_dir="unused", ce_weight=0.1, l1_weight=0.9, bce_weight=1.0),

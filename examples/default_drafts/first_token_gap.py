@@ -36,7 +36,7 @@ from dspark_hf.evaluation.prompt_sets import load_prompt_set
 from dspark_hf.train.data import load_target, load_token_dataset
 from dspark_hf.train.features import log_partition_at, target_features, target_logits
 from dspark_hf.train.losses import build_blocks, valid_anchor_positions
-from dspark_hf.train.trainer import forward_blocks
+from dspark_hf.train.step import forward_blocks
 
 
 @torch.no_grad()

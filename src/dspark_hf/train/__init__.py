@@ -10,8 +10,9 @@ result = train(ModelArguments(num_hidden_layers=2), DataArguments(train_data="da
 
 Modules, in data-flow order: `data` (prompts → target-regenerated token ids + loss mask), `features` (the
 target's hidden states, online or from a safetensors cache), `losses` (pure functions: anchors, blocks,
-CE + L1 + confidence BCE, acceptance estimates), `trainer` (the loop), `checkpoint` (atomic, exact resume),
-`lora` (peft adapters), `args` (dataclass arguments + YAML).
+CE + L1 + confidence BCE, acceptance estimates), `surgery` (the starting draft: grown, upgraded, from the
+target's layers), `step` (one micro-batch, held-out evaluation), `trainer` (the loop), `checkpoint` (atomic,
+exact resume), `lora` (peft adapters), `args` (dataclass arguments + YAML).
 
 `import dspark_hf` does not import this package. Importing it needs only torch and transformers; accelerate,
 peft, PyYAML and TensorBoard (the `train` extra) are imported by the functions that use them, which raise an
@@ -38,7 +39,8 @@ from .losses import (
     position_weights,
     sample_anchors,
 )
-from .trainer import TrainResult, TrainState, evaluate, train
+from .step import evaluate
+from .trainer import TrainResult, TrainState, train
 
 __all__ = [
     "Blocks",
