@@ -10,7 +10,9 @@ only (scanning left to right and stopping at the first "no") therefore never let
 decide whether that same token is verified. Every policy here has this prefix property; a global search
 that peeks past a "no" does not, and biases sampling (see the design notes, Appendix A counterexample).
 
-Policies are small objects around pure tensor functions, so they can be table-tested and composed.
+Policies are small objects around the pure tensor functions of `dspark_hf.scheduling.lengths`, so they can be
+table-tested and composed; the two that weigh drafting against plain rounds by measurement share one payoff guard
+(`dspark_hf.scheduling.payoff`).
 """
 
 from __future__ import annotations
@@ -21,188 +23,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .lengths import (  # noqa: F401 - the pure functions, importable from here as before
+    best_capacity,
+    blend_survival,
+    check_profile,
+    confidence_threshold_lengths,
+    fixed_lengths,
+    hardware_aware_lengths,
+    nearest,
+    remember,
+    sps_function,
+    survival_probabilities,
+    threshold_lengths,
+    top_k_lengths,
+    uniform_length,
+)
+from .payoff import PayoffGuard, PayoffState  # noqa: F401 - PayoffState: importable from here as before
 from .sps import SPSProfile
-
-
-def survival_probabilities(confidences: torch.Tensor) -> torch.Tensor:
-    """Prefix survival `a_k = Π_{i≤k} c_i` along the last dimension."""
-    return torch.cumprod(confidences, dim=-1)
-
-
-def fixed_lengths(survival: torch.Tensor, n: int) -> torch.Tensor:
-    """Verify `min(n, γ)` tokens of every request. `survival`: `[R, γ]` → `[R]` (long)."""
-    gamma = survival.shape[-1]
-    return torch.full(survival.shape[:-1], min(max(n, 0), gamma), dtype=torch.long, device=survival.device)
-
-
-def threshold_lengths(survival: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Survival rule: verify the longest prefix whose survival `a_k = Π c_i` stays `>= threshold`."""
-    keep = (survival >= threshold).long()
-    return torch.cumprod(keep, dim=-1).sum(dim=-1)
-
-
-def confidence_threshold_lengths(survival: torch.Tensor, threshold: float) -> torch.Tensor:
-    """DeepSpec's rule: stop at the first position whose own confidence `c_k` is `< threshold`.
-
-    The confidences are recovered from the survival probabilities as `c_k = a_k / a_{k-1}` (`a_0 = 1`),
-    compared without dividing (`a_k >= t·a_{k-1}`). Once some `c_j < t` the prefix has stopped, so a zero
-    survival after it never matters. `threshold <= 0` verifies the whole block, as in DeepSpec.
-    """
-    if threshold <= 0.0:
-        return fixed_lengths(survival, survival.shape[-1])
-    previous = torch.cat([torch.ones_like(survival[..., :1]), survival[..., :-1]], dim=-1)
-    keep = (survival >= threshold * previous).long()
-    return torch.cumprod(keep, dim=-1).sum(dim=-1)
-
-
-def hardware_aware_lengths(
-    survival: torch.Tensor, sps: Callable[[int], float], background_tokens: int = 0
-) -> torch.Tensor:
-    """Paper Algorithm 1: greedy admission by survival probability with an early stop.
-
-    All `(r, j)` with `a[r, j] > 0` are visited in decreasing order of `a` (ties in request-then-position
-    order, so each request's prefix order holds). Admitting one adds a token to the forward
-    (`B += 1`) and `a[r, j]` to the expected accepted tokens (`τ += a`); it is kept while the expected
-    throughput `τ · SPS(B)` improves, and the search **stops at the first candidate that does not improve
-    it**. Stopping there (instead of searching on) is what keeps sampling exact: the candidates visited
-    before `(r, j)` never include anything computed from `x[r, j]`.
-
-    Args:
-        survival (`torch.Tensor` of shape `(R, γ)`): prefix survival probabilities (non-increasing in `j`).
-        sps (`Callable[[int], float]`): verification steps per second at `B` tokens in the forward.
-        background_tokens (`int`, *optional*, defaults to 0): tokens of other requests that share the forward.
-            Each is modelled as a request decoding one token per step: it adds one token to `B` and one
-            expected token to `τ`, so a loaded forward only admits drafts that pay for their share of it.
-
-    Returns:
-        `torch.LongTensor` of shape `(R,)`: verification length per request.
-    """
-    rows, gamma = survival.shape
-    lengths = [0] * rows
-    order, values = _candidate_order(survival)
-    tokens = rows + background_tokens
-    tau = float(rows + background_tokens)
-    best = tau * sps(tokens)
-    for idx, a in zip(order, values):
-        if a <= 0:
-            break
-        r, j = divmod(idx, gamma)
-        tokens += 1
-        tau += a
-        theta = tau * sps(tokens)
-        if theta <= best:
-            break  # early stop: never look past a candidate that does not pay for itself
-        best = theta
-        lengths[r] = j + 1
-    return torch.tensor(lengths, dtype=torch.long, device=survival.device)
-
-
-def best_capacity(survival: torch.Tensor, sps: Callable[[int], float], background_tokens: int = 0) -> int:
-    """Unconstrained global search: the number `K` of top candidates maximising `τ · SPS(B)`.
-
-    Used by the lagged policy on an *earlier* round's survival probabilities, where peeking at every
-    candidate is harmless because none of them is decided now.
-    """
-    rows = survival.shape[0]
-    _, values = _candidate_order(survival)
-    values = [v for v in values if v > 0]
-    base = rows + background_tokens
-    tau, best, best_k = float(base), base * sps(base), 0
-    for k, a in enumerate(values, start=1):
-        tau += a
-        theta = tau * sps(base + k)
-        if theta > best:
-            best, best_k = theta, k
-    return best_k
-
-
-def top_k_lengths(survival: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Admit the `capacity` candidates with the highest current survival (prefix order per request)."""
-    rows, gamma = survival.shape
-    lengths = [0] * rows
-    order, values = _candidate_order(survival)
-    for idx, a in list(zip(order, values))[: max(capacity, 0)]:
-        if a <= 0:
-            break
-        r, j = divmod(idx, gamma)
-        lengths[r] = j + 1
-    return torch.tensor(lengths, dtype=torch.long, device=survival.device)
-
-
-def uniform_length(
-    survival: torch.Tensor,
-    rows: int,
-    sps: Callable[[int], float],
-    draft_seconds: float = 0.0,
-    background_tokens: int = 0,
-    measured: dict[int, float] | None = None,
-    min_length: int = 0,
-) -> int:
-    """The one verification length `L` for all `rows` requests that maximises expected tokens per second.
-
-    A padded verification forward computes `B = rows · (1 + max ℓ)` tokens whatever each row's own length,
-    so once one row verifies `L` drafts the others verify up to `L` for free; the choice is a single
-    `L ∈ {0..γ}`. Drafting itself is charged only when `L > 0` (with `L = 0` the round is a plain decoding
-    step and the draft does not run):
-
-        Θ(L) = (rows·(1 + Σ_{j≤L} s_j) + BG) / (t(B_L) + draft·[L > 0]),   B_L = rows·(1 + L) + BG
-
-    `t(B)` is the round time measured at `B` tokens where there is one (`measured`); otherwise the measured
-    plain round `t(B_0)` scaled by the profile's cost ratio `SPS(B_0) / SPS(B)`, or, with no measurement
-    at all, the profile's `1 / SPS(B)`. The profile thus gives the shape of the cost curve and the
-    measurements its level (a round also builds the batch, accepts and emits).
-
-    The search is global over `L`, which is lossless only because `survival` comes from *earlier* rounds:
-    nothing in it depends on the tokens that will be drafted for the length chosen.
-
-    Args:
-        survival (`torch.Tensor` of shape `(γ,)`): expected prefix survival per block position.
-        rows (`int`): requests in the round.
-        sps (`Callable[[int], float]`): verification steps per second at `B` tokens in the forward.
-        draft_seconds (`float`, *optional*): seconds of one drafting step for `rows` requests.
-        background_tokens (`int`, *optional*): other requests' tokens sharing the forward, one each.
-        measured (`dict[int, float]`, *optional*): seconds of a round besides drafting, measured at `B` tokens.
-        min_length (`int`, *optional*, defaults to 0): the shortest length considered (`1`: the best length
-            that drafts, for a probe).
-
-    Returns:
-        `int`: the length `L`.
-    """
-    if rows <= 0:
-        return 0
-    measured = measured or {}
-
-    def rate(tokens: int) -> float:
-        value = float(sps(tokens))
-        if not value > 0:
-            raise ValueError(f"The SPS profile gave {value} steps/s at {tokens} tokens; it must be positive.")
-        return value
-
-    plain_tokens = rows + background_tokens
-    expected = torch.cat([torch.zeros(1, dtype=torch.float64), survival.detach().double().cpu().cumsum(0)])
-    best_length, best = 0, -1.0
-    for length, gained in enumerate(expected.tolist()):
-        if length < min_length:
-            continue
-        tokens = rows * (1 + length) + background_tokens
-        if tokens in measured:
-            cost = measured[tokens]
-        elif plain_tokens in measured:
-            cost = measured[plain_tokens] * rate(plain_tokens) / rate(tokens)
-        else:
-            cost = 1.0 / rate(tokens)
-        cost += draft_seconds if length else 0.0
-        theta = (rows * (1.0 + gained) + background_tokens) / max(cost, 1e-12)
-        if theta > best:
-            best, best_length = theta, length
-    return best_length
-
-
-def _candidate_order(survival: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Flat indices `r·γ + j` sorted by decreasing survival; ties keep request-then-position order."""
-    flat = survival.detach().reshape(-1).double().cpu()
-    values, order = torch.sort(flat, descending=True, stable=True)
-    return order.tolist(), values.tolist()
 
 
 @dataclass
@@ -224,11 +61,9 @@ class ScheduleContext:
             survival probabilities, and accepted in fact, over recent rounds (decayed sums; they also fade in
             rounds that do not draft, so old evidence does not rule for good).
         planned_length (`int`, *optional*): the length a policy fixed before this round's drafting.
-        since_draft (`dict[int, int]`): rounds since the last drafting round, per number of requests.
-        probe_wait (`dict[int, int]`): plain rounds [`UniformHardwareAwarePolicy`] waits before its next probe,
-            per number of requests; `probing` whether the planned round is such a probe.
-        payoff (`dict[int, PayoffState]`): measured rates of drafting and plain rounds per number of requests
-            ([`AdaptivePolicy`]'s, and [`UniformHardwareAwarePolicy`]'s payoff guard).
+        guard ([`PayoffGuard`], *optional*): the measured payoff of drafting against plain rounds per number of
+            requests, made by the first policy that weighs it ([`AdaptivePolicy`], [`UniformHardwareAwarePolicy`]);
+            `payoff`, `probe_wait` and `probing` are views of it.
     """
 
     sps: Callable[[int], float] | None = None
@@ -241,47 +76,22 @@ class ScheduleContext:
     predicted_accepted: float = 0.0
     realized_accepted: float = 0.0
     planned_length: int | None = None
-    since_draft: dict[int, int] = field(default_factory=dict)
-    probe_wait: dict[int, int] = field(default_factory=dict)
-    probing: bool = False
-    payoff: dict[int, PayoffState] = field(default_factory=dict)
-
-
-@dataclass
-class PayoffState:
-    """What [`AdaptivePolicy`] has measured at one batch size: tokens emitted and seconds spent by drafting rounds
-    and by plain rounds (decayed sums, so the rates are recent), how many of each it has seen, and where it
-    stands in its back-off."""
-
-    draft_tokens: float = 0.0
-    draft_seconds: float = 0.0
-    plain_tokens: float = 0.0
-    plain_seconds: float = 0.0
-    drafts: int = 0
-    plains: int = 0
-    streak: int = 0  # drafting rounds since the last plain round
-    idle: int = 0  # plain rounds since drafting last lost (or was last probed)
-    interval: int = 0  # plain rounds to wait before the next probe
-
-    def add(self, drafted: bool, tokens: float, seconds: float, keep: float) -> None:
-        """Add a round (`tokens` emitted in `seconds`) to the drafting or the plain sums, the old sums kept at
-        weight `keep`."""
-        if drafted:
-            self.draft_tokens = keep * self.draft_tokens + tokens
-            self.draft_seconds = keep * self.draft_seconds + seconds
-            self.drafts += 1
-        else:
-            self.plain_tokens = keep * self.plain_tokens + tokens
-            self.plain_seconds = keep * self.plain_seconds + seconds
-            self.plains += 1
+    guard: PayoffGuard | None = None
 
     @property
-    def draft_rate(self) -> float:
-        return self.draft_tokens / self.draft_seconds if self.draft_seconds > 0 else 0.0
+    def payoff(self) -> dict[int, PayoffState]:
+        """`dict[int, PayoffState]`: the guard's measured rates per number of requests (empty without a guard)."""
+        return self.guard.states if self.guard is not None else {}
 
     @property
-    def plain_rate(self) -> float:
-        return self.plain_tokens / self.plain_seconds if self.plain_seconds > 0 else 0.0
+    def probe_wait(self) -> dict[int, int]:
+        """`dict[int, int]`: rounds to wait before the next probe, per number of requests."""
+        return self.guard.waits if self.guard is not None else {}
+
+    @property
+    def probing(self) -> bool:
+        """`bool`: whether the planned round is a probe."""
+        return self.guard is not None and self.guard.probing
 
 
 class VerificationPolicy:
@@ -352,18 +162,13 @@ class AdaptivePolicy(VerificationPolicy):
     """Draft and verify `n` tokens a round while that emits more tokens per second than plain rounds do, as
     measured in this very call (or engine); otherwise decode plainly and try drafting again after a back-off.
 
-    A payoff guard for a fixed length: it compares what drafting really earns here (tokens emitted over the
-    whole round's time, drafting included) with plain decoding's measured rate, so on text the draft
-    predicts poorly, or on a machine where verification is dear, it falls back to plain decoding instead of
-    paying for drafts that are not accepted. It starts by drafting `warmup_drafts` rounds (a reply's first
-    rounds are often its most predictable: the opening of a chat answer, the start of a code block), then
-    measures `plain_samples` plain rounds, then takes the faster arm each round. While plain wins it probes
-    one drafting round after `explore` plain rounds, doubling the wait up to `explore_max` for every probe
-    that does not turn the verdict, and resetting it when drafting wins again; while drafting wins, one plain
-    round in every `refresh_every` re-measures the alternative (the machine's load drifts). Each rate is
-    tokens over seconds of recent rounds (sums that decay by `1 - smoothing` per drafting round and
-    `1 - plain_smoothing` per plain round: a ratio of sums, not a mean of noisy per-round ratios); a probe
-    decays the drafting sums by `1 - probe_weight` instead, so one good probe can resume drafting.
+    A payoff guard ([`PayoffGuard`]) for a fixed length: it compares what drafting really earns here (tokens
+    emitted over the whole round's time, drafting included) with plain decoding's measured rate, so on text the
+    draft predicts poorly, or where verification is dear, it decodes plainly instead of paying for drafts that
+    are not accepted. It drafts `warmup_drafts` rounds first (a reply's opening is often its most predictable),
+    measures `plain_samples` plain rounds, then takes the faster arm each round; while plain wins it probes one
+    drafting round after `explore` plain rounds (the wait doubling up to `explore_max` while probes do not turn
+    the verdict), and while drafting wins one plain round in every `refresh_every` re-measures the alternative.
 
     Lossless: the length is fixed before the round drafts, from earlier rounds only. Needs no confidence
     head and no SPS profile. Measured per batch size (the engine's rounds at `R` rows are compared with plain
@@ -399,24 +204,34 @@ class AdaptivePolicy(VerificationPolicy):
         if not all(0 < w <= 1 for w in (self.smoothing, self.plain_smoothing, self.probe_weight)):
             raise ValueError("adaptive: smoothing, plain_smoothing and probe_weight must be in (0, 1].")
 
-    def _state(self, context: ScheduleContext, rows: int) -> PayoffState:
-        if rows not in context.payoff:
-            context.payoff[rows] = PayoffState(interval=self.explore)
-        return context.payoff[rows]
+    def _guard(self, context: ScheduleContext) -> PayoffGuard:
+        if context.guard is None:
+            context.guard = PayoffGuard(
+                after=None,  # the verdict is taken each round after the warm-up drafts (`_losing`), not vetoed
+                margin=0.0,
+                smoothing=self.smoothing,
+                plain_smoothing=self.plain_smoothing,
+                probe_weight=self.probe_weight,
+                explore=self.explore,
+                explore_max=self.explore_max,
+            )
+        return context.guard
 
-    def _probing(self, state: PayoffState) -> bool:
-        return state.drafts >= self.warmup_drafts and state.draft_rate <= state.plain_rate
+    def _losing(self, guard: PayoffGuard, state: PayoffState) -> bool:
+        """Past the warm-up, drafting has not emitted more per second than plain rounds."""
+        return state.drafts >= self.warmup_drafts and not guard.pays(state)
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
-        state = self._state(context, rows)
+        guard = self._guard(context)
+        state = guard.states.setdefault(rows, PayoffState())
         length = gamma if self.n is None else min(self.n, gamma)
         if state.drafts < self.warmup_drafts:
             return length
         if state.plains < self.plain_samples:
             return 0
-        if state.draft_rate > state.plain_rate:  # drafting pays here
+        if guard.pays(state):  # drafting pays here
             return 0 if state.streak >= self.refresh_every else length
-        return length if state.idle >= state.interval else 0  # a probe, or plain decoding
+        return length if guard.probe_due(rows) else 0  # a probe, or plain decoding
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         return planned_lengths(self, survival, context)
@@ -432,27 +247,25 @@ class AdaptivePolicy(VerificationPolicy):
         verified=None,
         accepted=None,
     ) -> None:
-        state = self._state(context, rows)
+        guard = self._guard(context)
+        state = guard.states.setdefault(rows, PayoffState())
         seconds = rest_seconds + (draft_seconds or 0.0)
         if seconds <= 0:
             return
         tokens = rows + sum(accepted or ())  # every round emits one target token per row
         if draft_seconds is not None and verified and sum(verified) > 0:
-            probe = self._probing(state) and state.idle >= state.interval
-            keep = 1 - (self.probe_weight if probe else self.smoothing)
-            state.add(True, tokens, seconds, keep)
+            probe = self._losing(guard, state) and guard.probe_due(rows)
+            guard.add_round(rows, True, tokens, seconds, probe=probe)
             state.streak += 1
             if probe:  # the verdict stands: wait twice as long; it turned: back to the shortest wait
-                state.idle = 0
-                lost = state.draft_rate <= state.plain_rate
-                state.interval = min(2 * state.interval, self.explore_max) if lost else self.explore
+                guard.since[rows] = 0
+                guard.end_probe(rows)
         else:
             sample = state.plains < self.plain_samples  # a measuring round, not one the verdict chose
-            keep = 1 - self.plain_smoothing
-            state.add(False, tokens, seconds, keep)
+            guard.add_round(rows, False, tokens, seconds)
             state.streak = 0
-            if not sample and self._probing(state):
-                state.idle += 1
+            if not sample and self._losing(guard, state):  # only rounds the losing verdict chose count as waited
+                guard.since[rows] = guard.since.get(rows, 0) + 1
 
 
 @dataclass
@@ -511,19 +324,11 @@ class HardwareAwarePolicy(VerificationPolicy):
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         context = context or ScheduleContext()
-        sps = _sps_fn(self.sps, context)
+        sps = sps_function(self.sps, context)
         return hardware_aware_lengths(survival, sps, self.background_tokens + context.background_tokens)
 
     def observe_round(self, context, rows, forward_tokens, rest_seconds, **kwargs) -> None:
-        _check_profile(self.sps, context, rows, forward_tokens + self.background_tokens, rest_seconds)
-
-
-def _check_profile(profile, context: ScheduleContext, rows: int, tokens: int, seconds: float) -> None:
-    """Report a single-request round's time to its SPS profile, which flags itself when they disagree."""
-    if profile is None:  # the profile generate() / the engine put in the context, if that is one
-        profile = getattr(context.sps, "__self__", None)
-    if rows == 1 and isinstance(profile, SPSProfile):
-        profile.observe(tokens, seconds)
+        check_profile(self.sps, context, rows, forward_tokens + self.background_tokens, rest_seconds)
 
 
 @dataclass
@@ -546,7 +351,7 @@ class LaggedHardwareAwarePolicy(HardwareAwarePolicy):
 
     def choose_lengths(self, survival: torch.Tensor, context: ScheduleContext | None = None) -> torch.Tensor:
         context = context or ScheduleContext()
-        sps = _sps_fn(self.sps, context)
+        sps = sps_function(self.sps, context)
         previous = context.previous_survival
         if previous is None:
             gamma = survival.shape[-1]
@@ -579,22 +384,15 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     evidence (by `idle_decay` each), so a ratio learned long ago drifts back towards the confidences' own
     promise and is tested again by a drafting round once that promise pays.
 
-    **Probes.** Survival and costs are only measured by drafting rounds, so a verdict "no length pays" would
-    stand for good on the strength of whatever the last drafting rounds measured, and the first drafting
-    round at a batch size is often a cold one (new forward shapes, a prompt's opening tokens). So after
-    `explore` plain rounds at a batch size in which no length paid, the policy drafts one round at the best
-    length that drafts (a probe). A probe after which drafting rounds at that size still measure fewer tokens
-    per second than plain ones (the payoff sums below, the probe weighted `probe_weight`) doubles the wait
-    before the next one, up to `explore_max`; one that turns that comparison resets it to `explore`. Its survival, timings and accepted drafts feed the estimates like any drafting round's.
-    Once the verdict is settled, at most one round in `explore_max` is spent on a losing draft.
-
-    **Payoff guard.** The plan is a model (survival times measured or profiled costs), and at a batch size where
-    drafting is marginal a small error in it decides. So the policy also keeps what drafting rounds and plain
-    rounds really emitted per second at each batch size (decayed sums, as [`AdaptivePolicy`] does): once
-    `guard_after` drafting rounds at a size have not emitted `guard_margin` (10%) more tokens per second than
-    its plain rounds, the planned length there is 0 until a probe's measurement (weighted `probe_weight`) turns
-    the comparison. That verdict also stands for every larger batch size that has not measured a gain of its
-    own (`inherit_veto`).
+    **Probes and the payoff guard** ([`PayoffGuard`], shared with [`AdaptivePolicy`] and the engine's lookup gate).
+    Survival and costs are only measured by drafting rounds, so a verdict "no length pays" would stand for good on
+    whatever the last drafting rounds measured (often a cold one). So after `explore` plain rounds at a batch size
+    in which no length paid, the policy drafts one round at the best length that drafts (a probe); a probe that
+    does not turn the guard's comparison doubles the wait (up to `explore_max`), one that does resets it. And
+    since the plan is a model, the guard also keeps what drafting and plain rounds really emitted per second at
+    each batch size: once `guard_after` drafting rounds at a size have not emitted `guard_margin` more tokens per
+    second, the plan there is 0 until a probe turns the comparison; that verdict also stands for every larger
+    batch size that has not measured a gain of its own (`inherit_veto`).
 
     Lossless like the lagged policy: `L` is fixed before any current token is drafted.
 
@@ -619,20 +417,16 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         plain_smoothing (`float`, *optional*, defaults to 0.05): decay of the guard's plain sums per plain round.
             Plain rounds are many and alike, so a long memory costs nothing and keeps a few slow ones (a busy
             moment of the machine) from making drafting look like a gain.
-        guard_margin (`float`, *optional*, defaults to 0.1): drafting rounds must emit this much more per second
-            than plain rounds to count as a gain (for the guard, the probes' verdict and `inherit_veto`). Round
-            times scatter by ±10% on a shared host, and a verdict that flips on noise drafts in runs of
-            losing rounds until it flips back; a gain smaller than the margin is forgone.
+        guard_margin (`float`, *optional*, defaults to 0.1): how much more per second drafting rounds must emit
+            to count as a gain (round times scatter by ±10% on a shared host; a verdict that flips on noise drafts
+            in runs of losing rounds).
         probe_weight (`float`, *optional*, defaults to 0.5): decay of the guard's drafting sums at a probe, so
             that one probe that pays can turn the comparison.
         inherit_veto (`bool`, *optional*, defaults to `True`): a guard's verdict against drafting at a batch size
-            stands for every larger one (no plan, no probe there) unless that size's own drafting rounds measured
-            a gain. A server's batch size changes with every arrival and departure, and without this each size
-            pays its own warm-up drafts and probes; with it, the small sizes (which a server passes through as
-            traffic drains) settle the question for the large ones. It rests on a verified draft token costing
-            at least as much in a larger batch as in a smaller one (the forward's extra tokens are nearly free
-            while it is bound by reading the weights, at small batches, and cost their share of compute once
-            it is not) while a row's expected gain does not depend on the batch.
+            stands for every larger one unless that size measured a gain of its own: a server's batch size changes
+            with every arrival and departure, and the small sizes it passes through settle the question for the
+            large ones (a verified draft token costs at least as much in a larger batch, while a row's expected
+            gain does not depend on the batch).
     """
 
     prior: float = 0.7
@@ -653,7 +447,7 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
     name = "hardware_aware_uniform"
 
     def plan_length(self, rows: int, gamma: int, context: ScheduleContext) -> int:
-        sps = _sps_fn(self.sps, context)
+        sps = sps_function(self.sps, context)
         prior = self.prior ** torch.arange(1, gamma + 1, dtype=torch.float64)
         estimate = context.survival_estimate
         if estimate is None:
@@ -671,19 +465,18 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
             return 0  # (re-)measure a plain round at this batch size: the alternative every length must beat
         measured = {b: statistics.median(ts) for (r, b), ts in context.round_seconds.items() if r == rows}
         kwargs = dict(
-            draft_seconds=_nearest(context.draft_seconds, rows),
+            draft_seconds=nearest(context.draft_seconds, rows),
             background_tokens=self.background_tokens + context.background_tokens,
             measured=measured,
         )
         length = uniform_length(estimate, rows, sps, **kwargs)
-        guard = context.payoff.get(rows)
-        if length and self._settled(guard) and not self._pays(guard):
+        guard = self._guard(context)
+        if length and guard.vetoed_here(rows):
             length = 0  # drafting rounds here did not really emit more per second (by the margin)
-        if self.inherit_veto and self._vetoed_below(context, rows):
+        if self.inherit_veto and guard.vetoed_below(rows):
             return 0  # drafting measured a loss at a smaller batch size: no plan and no probe here either
-        wait = context.probe_wait.get(rows, self.explore)
-        if length == 0 and self.explore and gamma > 0 and context.since_draft.get(rows, 0) >= wait:
-            context.probing = True  # `observe_round` weighs the probe and sets the next wait
+        if length == 0 and self.explore and gamma > 0 and guard.probe_due(rows):
+            guard.probing = True  # `observe_round` weighs the probe and sets the next wait
             return uniform_length(estimate, rows, sps, min_length=1, **kwargs)
         return length
 
@@ -705,18 +498,18 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         if not drafted:  # evidence fades while the policy does not draft, so an old verdict is tried again
             context.predicted_accepted *= self.idle_decay
             context.realized_accepted *= self.idle_decay
-        context.since_draft[rows] = 0 if draft_seconds is not None else context.since_draft.get(rows, 0) + 1
-        self._measure_payoff(context, rows, rest_seconds, draft_seconds if drafted else None, accepted)
-        if context.probing:  # a probe that turned the payoff comparison resets the wait, else it doubles
-            context.probing = False
-            state = context.payoff.get(rows)
-            paid = state is not None and self._pays(state)
-            wait = context.probe_wait.get(rows, self.explore)
-            context.probe_wait[rows] = self.explore if paid else min(2 * wait, self.explore_max)
+        guard = self._guard(context)
+        guard.since[rows] = 0 if draft_seconds is not None else guard.since.get(rows, 0) + 1
+        own_draft = draft_seconds if drafted else None
+        seconds = rest_seconds + (own_draft or 0.0)
+        if seconds > 0:  # the payoff guard's decayed sums at `rows` (tokens emitted, seconds spent)
+            guard.add_round(rows, own_draft is not None, rows + sum(accepted or ()), seconds, probe=guard.probing)
+        if guard.probing:  # a probe that turned the payoff comparison resets the wait, else it doubles
+            guard.end_probe(rows)
         if survival is not None and survival.numel():
             matrix = survival.detach().double().cpu().reshape(-1, survival.shape[-1])
             mean = matrix.mean(dim=0)
-            context.survival_estimate = _blend(context.survival_estimate, mean, self.smoothing)
+            context.survival_estimate = blend_survival(context.survival_estimate, mean, self.smoothing)
             if verified is not None and accepted is not None and sum(verified):
                 predicted = sum(float(matrix[r, :n].sum()) for r, n in enumerate(verified) if n)
                 keep = 1 - self.smoothing
@@ -726,75 +519,22 @@ class UniformHardwareAwarePolicy(HardwareAwarePolicy):
         plain = forward_tokens == rows
         context.since_plain[rows] = 0 if plain else context.since_plain.get(rows, 0) + 1
         if draft_seconds is not None:
-            _remember(context.draft_seconds, rows, draft_seconds, self.window)
-        _remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
-        _check_profile(self.sps, context, rows, tokens, rest_seconds)
+            remember(context.draft_seconds, rows, draft_seconds, self.window)
+        remember(context.round_seconds, (rows, tokens), rest_seconds, self.window)
+        check_profile(self.sps, context, rows, tokens, rest_seconds)
 
-    def _settled(self, state: PayoffState | None) -> bool:
-        """Whether the payoff guard has measured enough drafting rounds in `state` to judge."""
-        return bool(self.guard_after) and state is not None and state.drafts >= self.guard_after
-
-    def _pays(self, state: PayoffState) -> bool:
-        """Whether drafting rounds in `state` emitted more per second than plain ones, by the margin."""
-        return state.draft_rate > (1 + self.guard_margin) * state.plain_rate
-
-    def _vetoed_below(self, context, rows: int) -> bool:
-        """Whether drafting measured a loss at some batch size smaller than `rows` while `rows` has no drafting
-        rounds of its own that measured a gain."""
-        own = context.payoff.get(rows)
-        if self._settled(own) and self._pays(own):
-            return False
-        return any(r < rows and self._settled(s) and not self._pays(s) for r, s in context.payoff.items())
-
-    def _measure_payoff(self, context, rows, rest_seconds, draft_seconds, accepted) -> None:
-        """Add a round to the payoff guard's decayed sums at `rows` (tokens emitted, seconds spent)."""
-        seconds = rest_seconds + (draft_seconds or 0.0)
-        if seconds <= 0:
-            return
-        drafted = draft_seconds is not None
-        if drafted:
-            keep = 1 - (self.probe_weight if context.probing else self.guard_smoothing)
-        else:
-            keep = 1 - self.plain_smoothing
-        context.payoff.setdefault(rows, PayoffState()).add(drafted, rows + sum(accepted or ()), seconds, keep)
-
-
-def _blend(old: torch.Tensor | None, mean: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """The running mean survival per position after a round whose mean is `mean`. A round may have drafted
-    fewer positions than earlier ones (only those its planned length could verify): the positions it did not
-    draft keep their estimate, and positions drafted for the first time start at the round's mean."""
-    if old is None:
-        return mean
-    n = min(old.numel(), mean.numel())
-    out = (old if old.numel() >= mean.numel() else mean).clone()
-    out[:n] = (1 - smoothing) * old[:n] + smoothing * mean[:n]
-    return out
-
-
-def _remember(table: dict, key, value: float, window: int) -> None:
-    """Append `value` to `table[key]`, keeping the last `window` values."""
-    values = table.setdefault(key, [])
-    values.append(float(value))
-    del values[:-window]
-
-
-def _nearest(table: dict[int, list[float]], rows: int) -> float:
-    """Median of the values measured at `rows`, else at the nearest measured size (the larger on a tie), else 0."""
-    if not table:
-        return 0.0
-    key = rows if rows in table else min(table, key=lambda r: (abs(r - rows), -r))
-    return statistics.median(table[key])
-
-
-def _sps_fn(profile: SPSProfile | None, context: ScheduleContext) -> Callable[[int], float]:
-    if profile is not None:
-        return profile.sps
-    if context.sps is None:
-        raise ValueError(
-            "The hardware-aware policy needs the target's SPS profile: pass HardwareAwarePolicy(sps=...) or let "
-            "generate() / the engine provide it (dspark_hf.scheduling.sps.get_sps_profile(target))."
-        )
-    return context.sps
+    def _guard(self, context: ScheduleContext) -> PayoffGuard:
+        if context.guard is None:
+            context.guard = PayoffGuard(
+                after=self.guard_after,
+                margin=self.guard_margin,
+                smoothing=self.guard_smoothing,
+                plain_smoothing=self.plain_smoothing,
+                probe_weight=self.probe_weight,
+                explore=self.explore,
+                explore_max=self.explore_max,
+            )
+        return context.guard
 
 
 def resolve_policy(
