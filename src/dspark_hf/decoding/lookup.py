@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..scheduling.policies import PayoffState
+from ..scheduling.payoff import PayoffGuard
 
 #: Whether `generate(assistant_model=draft)` looks up before drafting when neither the call, its generation
 #: config nor the draft (`draft.lookup`) says.
@@ -92,59 +92,42 @@ def lookup_continuation(ids: torch.Tensor, config: LookupConfig, limit: int | No
 
 
 @dataclass
-class LookupGate:
-    """The engine's measured payoff guard for copies: whether rounds that verify copies emit more per second
-    than the rounds that do not, per batch size.
+class LookupGate(PayoffGuard):
+    """The engine's measured payoff guard for copies ([`PayoffGuard`], whose rules it follows): whether rounds that
+    verify copies emit more per second than the rounds that do not, per batch size.
 
     At batch 1 a copy is nearly free (a forward over a few more tokens costs little more than over one), but a
     batch's forward already computes one token per request, and in the padded layout one row's copy widens
-    every row. So [`DSparkEngine`] keeps, per number of requests, decayed sums of the tokens emitted and
-    seconds spent by rounds that verified a copy and by rounds that did not, and stops copying at a batch
-    size once `after` copy rounds there have not emitted `margin` more tokens per second than the others. A
-    verdict against copying also stands for every larger batch size that has not measured a gain of its own.
-    While copying is off at a size it is tried again in one round (a probe) after `explore` rounds, the wait
-    doubling after every probe that does not turn the comparison, up to `explore_max`.
+    every row. So [`DSparkEngine`] records, per number of requests, the tokens emitted and seconds spent by
+    rounds that verified a copy (the guard's "trying" rounds) and by rounds that did not, and stops copying at a
+    batch size once `after` copy rounds there (and one other round) have not emitted `margin` more tokens per
+    second than the others. A verdict against copying also stands for every larger batch size that has not
+    measured a gain of its own. While copying is off at a size it is tried again in one round (a probe) after
+    `explore` rounds, the wait doubling after every probe that does not turn the comparison, up to `explore_max`.
 
     The gate also keeps how often a copied token is accepted at each position once the ones before it were
     ([`survival`], from `prior` with `prior_weight` pseudo-rounds), which the engine weighs against the SPS
     profile's cost of the wider forward before a copy round (see `DSparkEngine`'s `lookup`).
 
     Args:
-        after (`int`, *optional*, defaults to 4): copy rounds measured at a batch size before the verdict (`0`:
-            no verdict, copying is always allowed).
-        margin (`float`, *optional*, defaults to 0.1): how much more per second copy rounds must emit.
-        smoothing (`float`, *optional*, defaults to 0.1): decay of the copy rounds' sums per copy round.
-        plain_smoothing (`float`, *optional*, defaults to 0.05): decay of the other rounds' sums per round.
-        probe_weight (`float`, *optional*, defaults to 0.5): decay of the copy sums at a probe (so one probe
-            that pays can turn the comparison).
-        explore (`int`, *optional*, defaults to 16): rounds with copying off before the first probe.
-        explore_max (`int`, *optional*, defaults to 256): the longest wait between probes.
+        after, margin, smoothing, plain_smoothing, probe_weight, explore, explore_max: the guard's, see
+            [`PayoffGuard`] (`after=0`: no verdict, copying is always allowed).
         prior (`float`, *optional*, defaults to 0.5): acceptance of a copied token assumed before any was verified.
         prior_weight (`float`, *optional*, defaults to 2.0): pseudo-count of that prior, per position.
     """
 
-    after: int = 4
-    margin: float = 0.1
-    smoothing: float = 0.1
-    plain_smoothing: float = 0.05
-    probe_weight: float = 0.5
-    explore: int = 16
-    explore_max: int = 256
+    min_plains: int = 1
     prior: float = 0.5
     prior_weight: float = 2.0
     verified_at: list = field(default_factory=list)  # copied tokens verified at position k (their prefix accepted)
     accepted_at: list = field(default_factory=list)  # ... and accepted
-    states: dict = field(default_factory=dict)  # rows -> PayoffState (its "draft" sums are the copy rounds')
-    waits: dict = field(default_factory=dict)  # rows -> rounds to wait before the next probe
-    since: dict = field(default_factory=dict)  # rows -> rounds since copying was last tried
-    probing: bool = False
 
     def allows(self, rows: int) -> bool:
         """Whether a round of `rows` requests may verify copies (`True` also marks a probe when it is one)."""
         self.probing = False
-        if not self._vetoed(rows):
+        if not self.vetoed(rows):
             return True
-        if self.since.get(rows, 0) >= self.waits.get(rows, self.explore):
+        if self.probe_due(rows):
             self.probing = True
             return True
         return False
@@ -153,17 +136,10 @@ class LookupGate:
         """Add a round of `rows` requests that emitted `tokens` in `seconds` (`copied`: it verified a copy)."""
         if seconds <= 0:
             return
-        state = self.states.setdefault(rows, PayoffState())
-        if copied:
-            keep = 1 - (self.probe_weight if self.probing else self.smoothing)
-        else:
-            keep = 1 - self.plain_smoothing
-        state.add(copied, tokens, seconds, keep)
+        self.add_round(rows, copied, tokens, seconds, probe=self.probing)
         self.since[rows] = 0 if copied else self.since.get(rows, 0) + 1
         if self.probing:
-            wait = self.waits.get(rows, self.explore)
-            self.waits[rows] = self.explore if self._pays(state) else min(2 * wait, self.explore_max)
-            self.probing = False
+            self.end_probe(rows)
 
     def record(self, verified: int, accepted: int) -> None:
         """One request's copy: `verified` copied tokens went to the target, the first `accepted` survived."""
@@ -188,19 +164,6 @@ class LookupGate:
         for copy in copies:
             total[: len(copy)] += prefix[: len(copy)]
         return total / len(copies)
-
-    def _settled(self, state) -> bool:
-        return bool(self.after) and state is not None and state.drafts >= self.after and state.plains > 0
-
-    def _pays(self, state) -> bool:
-        return state.draft_rate > (1 + self.margin) * state.plain_rate
-
-    def _vetoed(self, rows: int) -> bool:
-        """Copying measured a loss at `rows`, or at a smaller size while `rows` measured no gain of its own."""
-        own = self.states.get(rows)
-        if self._settled(own):
-            return not self._pays(own)
-        return any(r < rows and self._settled(s) and not self._pays(s) for r, s in self.states.items())
 
 
 class LookupIndex:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+
 import torch
 
 from .sps import SPSProfile
