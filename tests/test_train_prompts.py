@@ -1,5 +1,6 @@
-"""Training prompts at scale (`dspark_hf.train.prompts`): Magpie from the user-turn prefix only, dedupe and filters,
-evaluation prompts kept out by exact and near-duplicate match, and a resumable prompt file; tiny in-process models."""
+"""Training prompts at scale (`dspark_hf.train.prompts`, `dspark_hf.train.prompt_cleaning`): Magpie from the
+user-turn prefix only, dedupe and filters, evaluation prompts kept out by exact and near-duplicate match, and a
+resumable prompt file; tiny in-process models."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import torch
 
 from dspark_hf.evaluation.prompt_sets import evaluation_texts
 from dspark_hf.train import bulk
-from dspark_hf.train.prompts import (
+from dspark_hf.train.prompt_cleaning import (
     NearDuplicateIndex,
     PromptFilter,
-    build_prompt_file,
-    classify_topic,
     dedupe_prompts,
-    end_of_turn_ids,
     exclude_near_duplicates,
     filter_prompts,
-    magpie_prompts,
     normalise_prompt,
+)
+from dspark_hf.train.prompts import (
+    build_prompt_file,
+    classify_topic,
+    end_of_turn_ids,
+    magpie_prompts,
     shakespeare_writing_prompts,
     user_turn_prefix,
 )

@@ -43,9 +43,9 @@ from dspark_hf.evaluation.prompt_sets import (
     sharegpt_conversations,
     training_prompts,
 )
+from dspark_hf.train.prompt_cleaning import NearDuplicateIndex
 from dspark_hf.train.prompts import (
     MAGPIE_SYSTEMS,
-    NearDuplicateIndex,
     build_prompt_file,
     shakespeare_writing_prompts,
 )

