@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .._transformers import model_name
+
 _SAMPLES = 16
 # bf16 keeps 8 significant bits: a checkpoint stored in bf16 and a target loaded in fp32 (or the reverse)
 # differ by up to 2^-8 relative; different weights differ by O(1).
@@ -56,7 +58,7 @@ def warn_if_target_differs(recorded: dict[str, Any], embed: Any, head: Any, targ
             if not _matches(recorded[name], weight_fingerprint(weight)):
                 differ.append(name)
     if differ:
-        target_name = getattr(target.config, "_name_or_path", None) or type(target).__name__
+        target_name = model_name(target)
         warnings.warn(
             f"The draft checkpoint {recorded.get('source')!r} stores copies of its target's "
             f"{' and '.join(differ)} that differ from those of the bound target {target_name!r}. The draft was "

@@ -267,7 +267,7 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
         draft ([`DSparkDraftModel`]): a `"qwen3"`-style draft, bound to its target (or `target` given).
         save_directory (`str`): output folder (created).
         target (`PreTrainedModel`, *optional*): the target (verifier); defaults to the bound one. Its name
-            (`config._name_or_path`) becomes `speculators_config.verifier.name_or_path`, which `vllm serve DIR`
+            (`config.name_or_path`) becomes `speculators_config.verifier.name_or_path`, which `vllm serve DIR`
             uses to load the verifier.
         dtype (`torch.dtype`, *optional*): dtype of the written weights; defaults to the draft's.
 
@@ -275,6 +275,35 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
         `str`: `save_directory`.
     """
     target, embed, head = _bind_for_export(draft, target)
+    _check_exportable(draft)
+    c, kind = draft.config, export_kind(draft.config)
+    # The config's public `name_or_path`, not `_transformers.model_name` (which falls back to the class name):
+    # `vllm serve` loads the verifier by this name, so an unnamed target must stay unnamed.
+    verifier_name = c.target_name_or_path or (target.config.name_or_path if target else None)
+    out = {
+        "architectures": [_ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
+        "speculators_config": _speculators_config(c, kind, verifier_name, target),
+        "transformer_layer_config": _transformer_layer_config(c),
+        "draft_vocab_size": c.vocab_size,
+        "block_size": c.backbone_slots,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": c.sliding_window_non_causal,
+        "sample_from_anchor": c.sample_from_anchor,
+        # Not part of the speculators format (loaders ignore it); keeps STS calibration across a round trip.
+        "dspark_calibration_temperatures": list(c.calibration_temperatures),
+        "dspark_confidence_calibrated": c.confidence_calibrated,
+    }
+    extra = _dspark_heads(draft, out) if kind == "dspark" else {}
+    dtype = dtype or draft.dtype
+    out["dtype"] = str(dtype).replace("torch.", "")
+    return _write_checkpoint(draft, embed, head, out, save_directory, dtype, extra)
+
+
+def _check_exportable(draft) -> None:
+    """Refuse layers the format cannot hold; warn that a draft vocabulary subset is not exported."""
     c = draft.config
     if c.layer_style != "qwen3" or c.final_logit_softcapping is not None:
         raise ValueError(
@@ -282,15 +311,17 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
             f"{' and logit soft-capping' if c.final_logit_softcapping is not None else ''}. Export it with "
             "`export_deepspec` instead."
         )
-    kind = export_kind(c)
     if draft.draft_vocab_ids is not None:
         warnings.warn(
             f"The draft vocabulary subset of {c.draft_vocab_size} ids is not exported (the speculators format's d2t "
             "convention is not fixed across servers): the exported draft proposes from the full vocabulary.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    verifier_name = c.target_name_or_path or (getattr(target.config, "_name_or_path", None) if target else None)
+
+
+def _transformer_layer_config(c: DSparkConfig) -> dict[str, Any]:
+    """`transformer_layer_config`: the draft layers as a Qwen3 config."""
     layer = {
         "model_type": "qwen3",
         "vocab_size": c.vocab_size,
@@ -311,54 +342,45 @@ def export_speculators(draft, save_directory: str, target: Any = None, dtype: to
     }
     if c.layer_types is not None and SLIDING_ATTENTION in c.layer_types:  # a Qwen3 config keeps the window only so
         layer.update(sliding_window=c.sliding_window, use_sliding_window=True, max_window_layers=c.num_hidden_layers)
-    out = {
-        "architectures": [_ARCHITECTURES[kind]],
-        "speculators_model_type": kind,
-        "speculators_config": {
-            "algorithm": kind,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": c.block_size,  # drafted tokens; the block has backbone_slots
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier_name,
-                "architectures": list(getattr(target.config, "architectures", None) or []) if target else [],
-            },
+    return layer
+
+
+def _speculators_config(c: DSparkConfig, kind: str, verifier_name: str | None, target) -> dict[str, Any]:
+    """`speculators_config`: the algorithm, a greedy proposal of `block_size` tokens, and the verifier."""
+    return {
+        "algorithm": kind,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": c.block_size,  # drafted tokens; the block has backbone_slots
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": verifier_name,
+            "architectures": list(getattr(target.config, "architectures", None) or []) if target else [],
         },
-        "transformer_layer_config": layer,
-        "draft_vocab_size": c.vocab_size,
-        "block_size": c.backbone_slots,
-        "target_hidden_size": c.hidden_size,
-        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
-        "mask_token_id": c.mask_token_id,
-        "sliding_window_non_causal": c.sliding_window_non_causal,
-        "sample_from_anchor": c.sample_from_anchor,
-        # Not part of the speculators format (loaders ignore it); keeps STS calibration across a round trip.
-        "dspark_calibration_temperatures": list(c.calibration_temperatures),
-        "dspark_confidence_calibrated": c.confidence_calibrated,
     }
-    extra = {}
-    if kind == "dspark":
-        out.update(
-            markov_rank=0 if c.sequential_head == "none" else c.markov_rank,
-            markov_head_type=_HEAD_TO_DEEPSPEC.get(c.sequential_head, "vanilla"),
-            enable_confidence_head=c.confidence_head,
-            confidence_head_with_markov=c.uses_markov_feature,
-        )
-        if c.sequential_head == "none":
-            # vLLM's DSpark model always builds a Markov head of markov_rank: give it one whose bias is exactly
-            # zero (rank 1, zero weights), so the draft proposes what it proposes here; the import drops it again.
-            out.update(markov_rank=1, dspark_zero_markov_head=True)
-            w1 = draft.fc.weight.new_zeros(c.vocab_size, 1)
-            extra = {"markov_head.markov_w1.weight": w1, "markov_head.markov_w2.weight": w1.clone()}
-    dtype = dtype or draft.dtype
-    out["dtype"] = str(dtype).replace("torch.", "")
-    return _write_checkpoint(draft, embed, head, out, save_directory, dtype, extra)
+
+
+def _dspark_heads(draft, out: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The `dspark` kind's head fields, set in `out`; returns the extra weights of a head-less draft's stand-in."""
+    c = draft.config
+    out.update(
+        markov_rank=0 if c.sequential_head == "none" else c.markov_rank,
+        markov_head_type=_HEAD_TO_DEEPSPEC.get(c.sequential_head, "vanilla"),
+        enable_confidence_head=c.confidence_head,
+        confidence_head_with_markov=c.uses_markov_feature,
+    )
+    if c.sequential_head != "none":
+        return {}
+    # vLLM's DSpark model always builds a Markov head of markov_rank: give it one whose bias is exactly
+    # zero (rank 1, zero weights), so the draft proposes what it proposes here; the import drops it again.
+    out.update(markov_rank=1, dspark_zero_markov_head=True)
+    w1 = draft.fc.weight.new_zeros(c.vocab_size, 1)
+    return {"markov_head.markov_w1.weight": w1, "markov_head.markov_w2.weight": w1.clone()}
 
 
 def export_kind(config: DSparkConfig) -> str:
