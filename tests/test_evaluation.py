@@ -299,10 +299,11 @@ def test_report_files(report, tmp_path):
 
 def test_evaluate_drafts_measures_the_policy_generate_uses_by_default(tiny):
     """Without `policy`, every draft runs with the policy a plain `generate(assistant_model=draft)` picks: here
-    the draft's own `policy` (2 tokens per round), not the whole block that `policy="fixed"` verifies."""
+    the draft's own default (2 tokens per round, from its generation config), not the whole block that
+    `policy="fixed"` verifies."""
     target, tok, _ = tiny
     draft = make_aligned_draft(target, block_size=4)
-    draft.policy = "fixed:2"
+    draft.generation_config.dspark_policy = "fixed:2"
     prompts = {"mine": [PromptItem("mine", "p0", "count to three")]}
     common = dict(prompts=prompts, max_new_tokens=10, temperatures=(0.0,), prompt_lookup=False)
     common.update(task_metrics=False, packed_baseline=False, progress=False)
@@ -458,7 +459,7 @@ def test_evaluate_drafts_on_the_exact_kernels_times_both_plain_baselines(monkeyp
     on stock and on exact kernels, speedups are reported over both, and greedy identity is checked against both
     (against the same kernels it holds by construction)."""
     pytest.importorskip("evaluate")
-    from dspark_hf.model import kernels as kernel_modes
+    from dspark_hf import kernels as kernel_modes
 
     target = make_chat_target(dtype=torch.float32)
     tok, draft = make_char_tokenizer(), make_aligned_draft(target, block_size=4)
@@ -488,7 +489,7 @@ def test_evaluate_drafts_on_the_exact_kernels_times_both_plain_baselines(monkeyp
     md = report.to_markdown()
     assert "on the `exact` kernels" in md and "plain (exact kernels) tok/s" in md
     assert "Greedy identity with plain generate() on the same (exact) kernels" in md
-    with pytest.raises(ValueError, match="Unknown kernel mode"):
+    with pytest.raises(ValueError, match="not a kernel mode"):
         evaluate_drafts(target, tok, {"d": draft}, prompts=prompts, kernels="fast", progress=False)
 
 
