@@ -13,12 +13,10 @@ import torch
 from dspark_hf import GenerationStats, RoundStats, resolve_policy
 from dspark_hf.demo import (
     Caps,
-    FirstTokensPolicy,
     Settings,
     check_request,
     classify_tokens,
     confidence_colour,
-    make_policy,
     policy_string,
     render_chart,
     render_stats,
@@ -161,16 +159,12 @@ def test_policy_string_rejects_unknown_policy():
         policy_string(Settings(policy="sometimes"))
 
 
-def test_gamma_limits_the_considered_tokens():
-    survival = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5]])
-    assert make_policy(Settings(policy="threshold", threshold=0.5, gamma=5), block_size=5) == "threshold:0.5"
-    assert make_policy(Settings(policy="fixed", gamma=2), block_size=5) == "fixed:2"
-    policy = make_policy(Settings(policy="threshold", threshold=0.5, gamma=2), block_size=5)
-    assert isinstance(policy, FirstTokensPolicy)
-    assert resolve_policy("threshold:0.5").choose_lengths(survival).tolist() == [5]
-    assert policy.choose_lengths(survival).tolist() == [2]
-    lagged = make_policy(Settings(policy="hardware-aware lagged", gamma=3), block_size=5)
-    assert lagged.needs_sps and lagged.name == "hardware_aware_lagged"
+def test_gamma_is_the_fixed_policys_length():
+    """γ is the length `fixed:N` verifies; the other policies choose from the whole block, and no wrapper around a
+    policy cuts it: the request's policy is a plain string resolved like any other call's."""
+    assert policy_string(Settings(policy="fixed", gamma=2)) == "fixed:2"
+    assert policy_string(Settings(policy="threshold", threshold=0.5, gamma=2)) == "threshold:0.5"
+    assert policy_string(Settings(policy="hardware-aware lagged", gamma=3)) == "hardware_aware_lagged:0"
 
 
 def test_caps_are_enforced():
@@ -213,6 +207,10 @@ def test_stream_reply_streams_then_measures_the_baseline(tiny):
     assert sum(m.kind in ("tok-accepted", "tok-bonus") for m in marks) == len(final.new_ids)
     page = render_stats(final)
     assert 'data-phase="done"' in page and "speedup" in page and "identical to plain generate(): <b>yes" in page
+    # the γ control is the fixed policy's length, carried to generate() on the call's GenerationConfig
+    fixed = list(stream_reply(target, draft, dict(inputs), Settings(policy="fixed", gamma=2, max_new_tokens=12)))
+    assert fixed[-1].identical is True and fixed[-1].policy == "fixed:2"
+    assert {r.verified for r in fixed[-1].stats.rounds} <= {0, 1, 2} and fixed[-1].stats.policy == "FixedPolicy(n=2)"
 
 
 def test_the_app_refuses_requests_over_the_caps(tiny):

@@ -29,9 +29,9 @@ def main(args: argparse.Namespace) -> int:
 
     from dspark_hf._threads import run_in_fresh_thread
     from dspark_hf.default_model import SHIPPED_DRAFTS, load_draft, load_target
-    from dspark_hf.demo import Caps, _import_gradio, build_app
+    from dspark_hf.demo import Caps, build_app, import_gradio
 
-    _import_gradio()  # fail before loading models if the extra is missing
+    import_gradio()  # fail before loading models if the extra is missing
     try:
         caps = Caps(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap)
     except ValueError as err:
