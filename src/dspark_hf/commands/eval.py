@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
 from ..evaluation.prompt_sets import EVAL_SETS
 from ._common import UserError, model_source
-
-GRAPH_MODES = {"auto": None, "on": True, "off": False}  # --cuda-graphs → generate(dspark_cuda_graphs=...)
-LOOKUP_MODES = {"default": None, "on": True, "off": False}  # --lookup → generate(dspark_lookup=...)
+from .arguments import SpeculationArguments, add_speculation_arguments, speculation_variants
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,35 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt and method; medians used")
-    parser.add_argument(
-        "--policy",
-        nargs="+",
-        default=None,
-        help=(
-            "dspark_policy for every draft (default: none given, so each draft runs with the policy generate() "
-            "uses by default, which is what users get; 'fixed' verifies the whole block, so τ compares at full γ). "
-            "Several policies run each draft under each, as methods NAME@POLICY, e.g. --policy default fixed, or "
-            "--policy threshold:0.7 confidence_threshold:0.7 (the survival rule and DeepSpec's rule); 'default' "
-            "names generate()'s own choice"
-        ),
-    )
-    parser.add_argument(
-        "--cuda-graphs",
-        nargs="+",
-        choices=sorted(GRAPH_MODES),
-        default=None,
-        help="dspark_cuda_graphs for every draft: auto (the default: on for CUDA), on or off. Several values run "
-        "each draft under each, as methods NAME@graphs-MODE, side by side (e.g. --cuda-graphs on off)",
-    )
-    parser.add_argument(
-        "--lookup",
-        nargs="+",
-        choices=sorted(LOOKUP_MODES),
-        default=None,
-        help="dspark_lookup for every draft: default (what generate() does by default), on (prompt lookup proposes "
-        "before the draft drafts, see dspark_hf.decoding.lookup) or off. Several values run each draft under each, "
-        "as methods NAME@lookup-MODE, side by side (e.g. --lookup on off)",
-    )
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--device", default=None, help="where to run target and drafts, e.g. cuda (default: cpu)")
@@ -84,15 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also time plain generate() on packed CPU linears, the kernels speculation then uses "
-        "(default: when packing is enabled, DSPARK_CPU_PACKING=1)",
-    )
-    parser.add_argument(
-        "--kernels",
-        choices=("stock", "packed", "exact"),
-        default=None,
-        help="kernels of the speculative and prompt-lookup runs; plain generate() is timed on the stock kernels "
-        "and on these (default: exact for a float32 target on a CPU, as dspark generate and dspark serve; "
-        "stock elsewhere)",
+        "(default: when --kernels packed)",
     )
     parser.add_argument(
         "--task-metrics",
@@ -104,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output", default="dspark-eval", help="folder for results.json, results.md and plots (default: ./dspark-eval)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_speculation_arguments(parser, several=True)
 
 
 def parse_draft_specs(specs: list[str] | None) -> list[tuple[str, str | None]]:
@@ -126,10 +87,49 @@ def parse_draft_specs(specs: list[str] | None) -> list[tuple[str, str | None]]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..default_model import SHIPPED_DRAFTS, load_draft, load_target
     from ..evaluation.harness import evaluate_drafts
     from ..evaluation.prompt_sets import load_prompt_file
-    from ..model.kernels import recommended_kernels
+
+    specs, variants = _check_arguments(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer, drafts, fresh = _load(args, specs)
+    methods = {  # one method per draft and variant of the speculation flags; a draft object serves all of its own
+        "@".join(filter(None, (name, suffix))): (name, variant)
+        for name in drafts
+        for suffix, variant in variants.items()
+    }
+    report = evaluate_drafts(
+        target,
+        tokenizer,
+        {method: drafts[name] for method, (name, _) in methods.items()},
+        args.sets,
+        prompts=load_prompt_file(args.prompts, args.limit) if args.prompts else None,
+        limit=args.limit,
+        temperatures=args.temperatures,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        prompt_lookup=args.prompt_lookup,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        packed_baseline=args.packed_baseline,
+        kernels=args.kernels,
+        task_metrics=args.task_metrics,
+        progress=not args.no_progress,
+        **_per_draft_options(methods),
+    )
+    for method, (name, _) in methods.items():
+        report.methods[method].update(source=dict(specs)[name] or "default draft", fresh=name in fresh)
+    files = report.save(args.output)
+    print(report.to_markdown())
+    print("wrote " + ", ".join(str(f) for f in files))
+    return _greedy_identity(report)
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[list, dict[str, SpeculationArguments]]:
+    """Every check that needs no model, so a mistake costs no load time: the draft specs and the speculation
+    flags' variants."""
+    from ..default_model import SHIPPED_DRAFTS
 
     if args.repeats < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         raise UserError("--repeats, --max-new-tokens and --limit must be >= 1")
@@ -137,8 +137,16 @@ def main(args: argparse.Namespace) -> int:
     model_source(args.target, "--target")
     for _, path in specs:
         model_source(path, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    variants = speculation_variants(args)
+    for variant in variants.values():
+        variant.check()
+    return specs, variants
+
+
+def _load(args: argparse.Namespace, specs: list) -> tuple:
+    """The target, its tokenizer, the drafts by name, and the names of the fresh (untrained) ones."""
+    from ..default_model import load_draft, load_target
+
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     drafts, fresh = {}, []
     for name, path in specs:
@@ -150,58 +158,21 @@ def main(args: argparse.Namespace) -> int:
             f"note: {', '.join(fresh)} is a fresh, untrained draft (no trained draft for this target, or 'fresh' "
             "asked for): almost every drafted token is rejected, so τ stays near 1. Outputs are still exact."
         )
-    specs_given = args.policy or ["default"]
-    graphs_given = args.cuda_graphs or ["auto"]
-    policy = None if specs_given[0] == "default" else specs_given[0]
-    cuda_graphs = GRAPH_MODES[graphs_given[0]]
-    lookups_given = args.lookup or ["default"]
-    lookup = LOOKUP_MODES[lookups_given[0]]
-    if len(specs_given) > 1 or len(graphs_given) > 1 or len(lookups_given) > 1:
-        # one method per (draft, policy, graph mode); the same draft object serves all of them
-        from ..scheduling.policies import resolve_policy
+    return target, tokenizer, drafts, fresh
 
-        for spec in specs_given:  # fail before loading any prompt
-            if spec != "default":
-                resolve_policy(spec, has_confidence=True)
-        axes = (specs_given, graphs_given, lookups_given)
-        labels = ("{}", "graphs-{}", "lookup-{}")  # a variant's part of NAME@..., for the axes that vary
-        named = {}
-        for name, *variant in itertools.product(drafts, *axes):
-            parts = [label.format(v) for v, label, axis in zip(variant, labels, axes) if len(axis) > 1]
-            named["@".join([name, *parts])] = (name, *variant)
-        drafts = {method: drafts[name] for method, (name, *_) in named.items()}
-        policy = {method: None if spec == "default" else spec for method, (_, spec, _, _) in named.items()}
-        cuda_graphs = {method: GRAPH_MODES[mode] for method, (_, _, mode, _) in named.items()}
-        lookup = {method: LOOKUP_MODES[look] for method, (*_, look) in named.items()}
-        specs = [(method, dict(specs)[name]) for method, (name, *_) in named.items()]
-        fresh = [method for method, (name, *_) in named.items() if name in fresh]
-    prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else None
-    report = evaluate_drafts(
-        target,
-        tokenizer,
-        drafts,
-        args.sets,
-        prompts=prompts,
-        limit=args.limit,
-        temperatures=args.temperatures,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        policy=policy,
-        cuda_graphs=cuda_graphs,
-        lookup=lookup,
-        seed=args.seed,
-        prompt_lookup=args.prompt_lookup,
-        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
-        packed_baseline=args.packed_baseline,
-        kernels=args.kernels or recommended_kernels(target),
-        task_metrics=args.task_metrics,
-        progress=not args.no_progress,
-    )
-    for name, path in specs:
-        report.methods[name].update(source=path or "default draft", fresh=name in fresh)
-    files = report.save(args.output)
-    print(report.to_markdown())
-    print("wrote " + ", ".join(str(f) for f in files))
+
+def _per_draft_options(methods: dict) -> dict:
+    """`evaluate_drafts`' per-draft options (the call level of each draft's options; `None`: the draft's own
+    default): one value for every draft when no flag varies, else one per method."""
+    calls = {method: variant.call() for method, (_, variant) in methods.items()}
+    names = ("policy", "cuda_graphs", "lookup", "compiled")
+    if len(calls) == len({name for name, _ in methods.values()}):  # one variant: the same values for every draft
+        return {name: next(iter(calls.values()))[name] for name in names}
+    return {name: {method: call[name] for method, call in calls.items()} for name in names}
+
+
+def _greedy_identity(report) -> int:
+    """Print where greedy output differs from plain `generate()`; 1 if it differs on the same kernels (a bug)."""
 
     def mismatched(key: str) -> list[str]:
         return [

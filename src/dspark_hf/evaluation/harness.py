@@ -85,6 +85,7 @@ def evaluate_drafts(
     policy: str | Mapping[str, str | None] | None = None,
     cuda_graphs: bool | Mapping[str, bool | None] | None = None,
     lookup: bool | Mapping[str, bool | None] | None = None,
+    compiled: bool | Mapping[str, bool | None] | None = None,
     seed: int = 0,
     prompt_lookup: bool = True,
     prompt_lookup_num_tokens: int = 10,
@@ -112,13 +113,12 @@ def evaluate_drafts(
             sampling at that temperature (no top-k / top-p).
         max_new_tokens (`int`, *optional*, defaults to 256): per generation.
         repeats (`int`, *optional*, defaults to 1): timed repeats per method and prompt; medians are used.
-        policy, cuda_graphs, lookup (*optional*): `dspark_policy`, `dspark_cuda_graphs`, `dspark_lookup` for every
+        policy, cuda_graphs, lookup, compiled (*optional*): `dspark_policy`, `dspark_cuda_graphs`, ... for every
             draft, or a mapping with one per draft name. `None` (also as a mapping's value) measures what users get:
             the draft's own default, else the library's. `report.methods[name]` records the policy each draft ran
-            with and whether its graph path ran; `policy="fixed"` verifies the whole block (τ at full γ).
-        seed (`int`, *optional*, defaults to 0): base seed.
-        prompt_lookup (`bool`, *optional*, defaults to `True`): also time prompt lookup decoding at temperature 0,
-            with `prompt_lookup_num_tokens` (defaults to 10).
+            with and whether its graph path ran; `policy="fixed"` verifies the whole block (τ at full γ). `seed`
+            (defaults to 0) is the base seed.
+        prompt_lookup, prompt_lookup_num_tokens (*optional*): also time prompt lookup decoding at T = 0 (`True`, 10).
         packed_baseline (`bool`, *optional*): also time plain `generate()` on packed linears (`"plain_packed"`).
             Defaults to `kernels == "packed"`.
         kernels (`str`, *optional*): the kernel mode of the speculative and prompt-lookup runs (`"stock"`,
@@ -134,7 +134,7 @@ def evaluate_drafts(
     """
     mode = _check_arguments(target, drafts, repeats, max_new_tokens, temperatures, kernels)
     items = dict(prompts) if prompts is not None else {s: load_prompt_set(s, limit) for s in sets}
-    per_draft = {"policy": policy, "cuda_graphs": cuda_graphs, "lookup": lookup}
+    per_draft = {"policy": policy, "cuda_graphs": cuda_graphs, "lookup": lookup, "compiled": compiled}
     calls = {name: {key: _for(value, name) for key, value in per_draft.items()} | {"kernels": mode} for name in drafts}
     lookup_tokens = prompt_lookup_num_tokens if prompt_lookup and 0 in temperatures else None
     methods = _methods(target, drafts, calls, packed_baseline, lookup_tokens)
