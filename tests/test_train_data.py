@@ -20,7 +20,7 @@ from dspark_hf.train.args import (
     require,
 )
 from dspark_hf.train.data import TokenDataset, load_token_dataset, prepare_data, to_conversation, tokenize_conversation
-from train_helpers import PROMPTS, make_char_tokenizer, make_chat_target, write_prompts
+from train_helpers import PROMPTS, make_char_tokenizer, make_chat_target, sampling_args, write_prompts
 
 
 @pytest.mark.parametrize(
@@ -107,23 +107,14 @@ def test_template_that_rewrites_history_falls_back_to_one_sequence_per_turn():
 
 
 def _prep_args(tmp_path, **kw):
-    base = dict(
-        prompts=write_prompts(tmp_path / "prompts.jsonl"),
-        output=str(tmp_path / "data.jsonl"),
-        max_new_tokens=12,
-        batch_size=3,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        device="cpu",
-        progress=False,
-    )
+    base = dict(prompts=write_prompts(tmp_path / "prompts.jsonl"), output=tmp_path / "data.jsonl", max_new_tokens=12)
+    base.update(batch_size=3)
     base.update(kw)
     if base.get("backend") == "bulk":
         base.setdefault("generation_dtype", "float32")  # the tiny fp32 target's own arithmetic: greedy comparable
         base["batch_size"] = kw.get("batch_size", 2)  # 2 rows refilled from chunks of 3 conversations
         base.setdefault("chunk_size", 3)
-    return PrepareDataArguments(**base)
+    return sampling_args(**base)
 
 
 @pytest.mark.parametrize("backend", ["bulk", "engine", "generate"])

@@ -14,15 +14,13 @@ from dspark_hf.train import (
     DataArguments,
     LoraArguments,
     ModelArguments,
-    PrepareDataArguments,
     TrainArguments,
     load_draft_with_adapter,
     load_token_dataset,
     merge_adapter,
-    prepare_data,
     train,
 )
-from train_helpers import make_char_tokenizer, make_chat_target
+from train_helpers import make_char_tokenizer, make_chat_target, sampled_data
 
 pytest.importorskip("peft")
 
@@ -31,21 +29,7 @@ pytest.importorskip("peft")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     target, tok = make_chat_target(), make_char_tokenizer()
-    data = prepare_data(
-        PrepareDataArguments(
-            output=str(root / "data.jsonl"),
-            max_new_tokens=24,
-            batch_size=4,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            device="cpu",
-            progress=False,
-        ),
-        target=target,
-        tokenizer=tok,
-        prompts=[f"domain prompt {i}" for i in range(8)],
-    )
+    data = sampled_data(root / "data.jsonl", target, tok, [f"domain prompt {i}" for i in range(8)])
     torch.manual_seed(0)
     base = DSparkDraftModel.from_target(target, num_hidden_layers=1, block_size=4, markov_rank=16)
     base.save_pretrained(root / "base")

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from dspark_hf.train import PrepareDataArguments, prepare_data
-from train_helpers import make_char_tokenizer, make_chat_target
+from train_helpers import make_char_tokenizer, make_chat_target, sampled_data
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -85,23 +84,8 @@ def _metrics(out: Path) -> list[str]:
 
 def test_kill_and_resume_continues_identically(tmp_path):
     tok, target = make_char_tokenizer(), make_chat_target()
-    data = Path(
-        prepare_data(
-            PrepareDataArguments(
-                output=str(tmp_path / "data.jsonl"),
-                max_new_tokens=24,
-                batch_size=4,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                device="cpu",
-                progress=False,
-            ),
-            target=target,
-            tokenizer=tok,
-            prompts=[f"prompt {i}" for i in range(12)] + [*map(str, range(4))],
-        )
-    )
+    prompts = [f"prompt {i}" for i in range(12)] + [*map(str, range(4))]
+    data = Path(sampled_data(tmp_path / "data.jsonl", target, tok, prompts))
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     ref, run = tmp_path / "reference", tmp_path / "interrupted"

@@ -67,3 +67,28 @@ def write_prompts(path, prompts=PROMPTS) -> str:
         for p in prompts:
             f.write(json.dumps(p) + "\n")
     return str(path)
+
+
+def sampling_args(output, **kw):
+    """`PrepareDataArguments` for the tiny chat target: plain sampling at T = 1 (neither top-k nor top-p), on
+    the CPU, without a progress bar, written to `output`; `kw` sets or overrides any other field."""
+    from dspark_hf.train import PrepareDataArguments
+
+    base = dict(
+        output=str(output),
+        max_new_tokens=24,
+        batch_size=4,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        device="cpu",
+        progress=False,
+    )
+    return PrepareDataArguments(**{**base, **kw})
+
+
+def sampled_data(output, target, tokenizer, prompts, **kw) -> str:
+    """`prepare_data` with [`sampling_args`] (`kw` overrides them) on `prompts`; returns the JSONL path."""
+    from dspark_hf.train import prepare_data
+
+    return prepare_data(sampling_args(output, **kw), target=target, tokenizer=tokenizer, prompts=prompts)

@@ -392,48 +392,23 @@ def prepare_data(
         `str`: the output path. Each line is `{"id", "messages", "finish_reasons", "sequences": [{"input_ids",
         "loss_mask"}]}`; the run resumes an existing file unless `args.overwrite`.
     """
-    from tqdm.auto import tqdm
-
     if args.output is None:
         raise ValueError("prepare_data needs an output path (PrepareDataArguments.output / --output).")
-    if prompts is None:
-        if args.prompts is None:
-            raise ValueError("Give prompts: a JSONL file or datasets name (--prompts), or `prompts=` in Python.")
-        prompts = load_prompt_rows(args.prompts, args.dataset_split, args.dataset_config)
-    conversations = [to_conversation(r, args.prompt_field, args.system_prompt) for r in prompts]
-    if args.max_prompts is not None:
-        conversations = conversations[: args.max_prompts]
+    conversations = _conversations(args, prompts)
     if target is None or tokenizer is None:
         target, tokenizer = load_target(args.target, args.target_dtype, args.device)
     if tokenizer.chat_template is None:
         raise ValueError("The tokenizer has no chat template; prepare-data renders conversations with it.")
-
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.overwrite and out.exists():
         out.unlink()
     done = _read_done(out)
-    kw = args.chat_template_kwargs or {}
     from ..model.kernels import recommended_kernels, use_kernels
 
     kernels = args.kernels or recommended_kernels(target)
     engine, backend, label = _make_backend(target, args, kernels)
-    bar = tqdm(
-        total=len(conversations),
-        initial=len(done & set(range(len(conversations)))),
-        desc="regenerating responses",
-        disable=not args.progress,
-        unit="conv",
-    )
-    counter, started, shown = [0], time.perf_counter(), [0.0]
-
-    def on_tokens(n: int) -> None:  # the bulk generator's per-step count: a live tokens/s in the bar
-        counter[0] += n
-        now = time.perf_counter()
-        if now - shown[0] > 2:
-            shown[0] = now
-            bar.set_postfix(tokens_per_s=f"{counter[0] / (now - started):.1f}")
-
+    meter = _Throughput(len(conversations), len(done & set(range(len(conversations)))), args.progress)
     # The engine switches its own kernels; generate() runs on them inside this one scope.
     with use_kernels(target, mode=kernels) if backend == "generate" else contextlib.nullcontext():
         for start in range(0, len(conversations), args.chunk_size):
@@ -451,37 +426,71 @@ def prepare_data(
                 args.seed + start,
                 engine=engine,
                 indices=chunk,
-                counter=None if backend == "bulk" else counter,
-                on_tokens=on_tokens,
+                counter=None if backend == "bulk" else meter.counter,
+                on_tokens=meter.on_tokens,
             )
-            lines = []
-            for i, (messages, reasons) in zip(chunk, results):
-                if i in done:
-                    continue
-                seqs = tokenize_conversation(tokenizer, messages, kw, [r == "length" for r in reasons])
-                record = {
-                    "id": i,
-                    "messages": messages,
-                    "finish_reasons": reasons,
-                    "sequences": [{"input_ids": ids, "loss_mask": mask} for ids, mask in seqs],
-                }
-                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-            with out.open("a", encoding="utf-8") as f:
-                f.write("".join(lines))
-                f.flush()
-                os.fsync(f.fileno())
+            _append_records(out, tokenizer, args, zip(chunk, results), done)
             done.update(missing)
-            bar.update(len(missing))
-            bar.set_postfix(tokens_per_s=f"{counter[0] / (time.perf_counter() - started):.1f}")
-    bar.close()
-    elapsed = time.perf_counter() - started
-    if args.progress and counter[0]:
-        print(
-            f"prepare-data ({label}): {counter[0]} tokens generated in {elapsed:.1f} s "
-            f"({counter[0] / elapsed:.1f} tokens/s, {args.batch_size} rows, chunks of {args.chunk_size})",
-            file=sys.stderr,
-        )
+            meter.update(len(missing))
+    meter.close(args, label)
     return str(out)
+
+
+def _conversations(args: PrepareDataArguments, prompts: Iterable[Any] | None) -> list[list[dict[str, str]]]:
+    """The conversations to answer: `prompts`, else the rows of `args.prompts`, cut to `args.max_prompts`."""
+    if prompts is None:
+        if args.prompts is None:
+            raise ValueError("Give prompts: a JSONL file or datasets name (--prompts), or `prompts=` in Python.")
+        prompts = load_prompt_rows(args.prompts, args.dataset_split, args.dataset_config)
+    conversations = [to_conversation(r, args.prompt_field, args.system_prompt) for r in prompts]
+    return conversations if args.max_prompts is None else conversations[: args.max_prompts]
+
+
+def _append_records(out: Path, tokenizer, args: PrepareDataArguments, answered, done: set[int]) -> None:
+    """Append one record per `(id, (messages, finish reasons))` of `answered` not yet in `done`, synced to disk
+    (a killed run loses at most the chunk it was writing, and [`_read_done`] cuts a torn line)."""
+    lines, template_kwargs = [], args.chat_template_kwargs or {}
+    for i, (messages, reasons) in answered:
+        if i in done:
+            continue
+        seqs = tokenize_conversation(tokenizer, messages, template_kwargs, [r == "length" for r in reasons])
+        sequences = [{"input_ids": ids, "loss_mask": mask} for ids, mask in seqs]
+        record = {"id": i, "messages": messages, "finish_reasons": reasons, "sequences": sequences}
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    with out.open("a", encoding="utf-8") as f:
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Throughput:
+    """The progress bar over conversations with a live tokens/s, and the closing tokens/s line on stderr."""
+
+    def __init__(self, total: int, initial: int, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc="regenerating responses", disable=not progress, unit="conv")
+        # a list: the engine and generate() turns add their token counts to `counter[0]`
+        self.counter, self.started, self.shown = [0], time.perf_counter(), 0.0
+
+    def on_tokens(self, n: int) -> None:
+        """The bulk generator's per-step count: refreshes the bar's tokens/s at most every 2 s."""
+        self.counter[0] += n
+        now = time.perf_counter()
+        if now - self.shown > 2:
+            self.shown = now
+            self.bar.set_postfix(tokens_per_s=f"{self.counter[0] / (now - self.started):.1f}")
+
+    def update(self, conversations: int) -> None:
+        self.bar.update(conversations)
+        self.bar.set_postfix(tokens_per_s=f"{self.counter[0] / (time.perf_counter() - self.started):.1f}")
+
+    def close(self, args: PrepareDataArguments, label: str) -> None:
+        self.bar.close()
+        n, elapsed = self.counter[0], time.perf_counter() - self.started
+        if args.progress and n:
+            rate = f"{n / elapsed:.1f} tokens/s, {args.batch_size} rows, chunks of {args.chunk_size}"
+            print(f"prepare-data ({label}): {n} tokens generated in {elapsed:.1f} s ({rate})", file=sys.stderr)
 
 
 def _make_backend(target, args: PrepareDataArguments, kernels: str):
