@@ -251,6 +251,13 @@ class DSparkConfig(PreTrainedConfig):
     # Named `validate_dspark` (not `validate`) so it never shadows transformers' own config checks.
     def validate_dspark(self) -> None:
         """Check every field; raise `ValueError` naming the field, the value, what is allowed and the fix."""
+        self._validate_shape()
+        self._validate_layers()
+        self._validate_ids()
+        self._validate_sizes()
+
+    def _validate_shape(self) -> None:
+        """Positive sizes, heads that group evenly, a known sequential head with a positive rank."""
         positive = {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -284,7 +291,9 @@ class DSparkConfig(PreTrainedConfig):
                 f"DSparkConfig.default_lookup must be true, false or null (the library's default), got "
                 f"{self.default_lookup!r}."
             )
-        self._validate_layers()
+
+    def _validate_ids(self) -> None:
+        """The mask token inside the vocabulary; target layer ids increasing and within the target."""
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"DSparkConfig.mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
@@ -310,6 +319,10 @@ class DSparkConfig(PreTrainedConfig):
                 f"-1 (the embedding output) and 0..{n - 2} (the final layer is excluded because its output is normalised for the LM head). "
                 f"The default for this target is {default_target_layer_ids(n) if n >= 2 else 'undefined'}."
             )
+
+    def _validate_sizes(self) -> None:
+        """One calibration temperature per block position, the draft vocabulary within the vocabulary, and the
+        hidden and vocabulary sizes the draft shares with the target."""
         if len(self.calibration_temperatures) != self.block_size:
             raise ValueError(
                 f"DSparkConfig.calibration_temperatures has {len(self.calibration_temperatures)} entries but "
