@@ -10,7 +10,10 @@ import argparse
 import errno
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
+
+from .arguments import SpeculationArguments, add_speculation_arguments
 
 
 def _env(name: str, default=None, kind=str):
@@ -31,27 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft",
         default=_env("DRAFT"),
         help="draft folder, Hub id, shipped draft name or 'fresh' (default: the shipped draft, else fresh)",
-    )
-    parser.add_argument(
-        "--policy",
-        default=_env("POLICY"),
-        help="verification policy, e.g. adaptive, hardware_aware, fixed:3; 'none' serves without speculation "
-        "(default: hardware_aware_uniform for a calibrated draft, else fixed)",
-    )
-    parser.add_argument(
-        "--kernels",
-        choices=("stock", "packed", "exact"),
-        default=_env("KERNELS"),
-        help="CPU kernels of every forward, with or without speculation: exact (batch-invariant, the default for "
-        "a float32 target on the CPU), stock (PyTorch's own; the default elsewhere) or packed",
-    )
-    parser.add_argument(
-        "--lookup",
-        choices=("on", "off"),
-        default=_env("LOOKUP"),
-        help="prompt lookup before drafting: copy a recurring continuation from the request's own context and "
-        "verify it (exact; a measured gate stops it at batch sizes where it does not pay). Default: the draft's "
-        "setting (on for the shipped drafts)",
     )
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=_env("PORT", 8000, int))
@@ -117,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=_env("DEVICE"), help="e.g. cuda (default: the CPU)")
     parser.add_argument("--threads", type=int, default=_env("THREADS", None, int), help="torch CPU threads")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="uvicorn log level (default: info)")
+    # every forward runs on --kernels, with or without speculation; DSPARK_POLICY etc. set these flags' defaults
+    add_speculation_arguments(parser, defaults={f.name: _env(f.name.upper()) for f in fields(SpeculationArguments)})
 
 
 def _folder_config(value: str | None, flag: str) -> dict | None:
@@ -161,13 +145,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}.")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be a TCP port, 0 to 65535, got {args.port}.")
-    if args.policy not in (None, "none"):
-        from dspark_hf.scheduling.policies import resolve_policy
-
-        try:  # the spelling only; whether the draft has the confidence head a policy reads is known after loading
-            resolve_policy(args.policy)
-        except ValueError as err:
-            raise UserError(f"--policy: {err}") from None
+    # the policy's spelling only; whether the draft has the confidence head a policy reads is known after loading
+    SpeculationArguments.from_namespace(args).check()
     model_source(args.target, "--target")
     model_source(args.draft, "--draft", names=(*SHIPPED_DRAFTS, "fresh"))
     target = _folder_config(args.target, "--target")
@@ -238,9 +217,10 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    speculation = SpeculationArguments.from_namespace(args).call()  # the call level of the engine's options
     app = load_app(
-        args.target, args.draft, policy=args.policy, max_batch_size=args.max_batch_size, dtype=args.dtype,
-        device=args.device, config=config, kernels=args.kernels, lookup=args.lookup,
+        args.target, args.draft, max_batch_size=args.max_batch_size, dtype=args.dtype, device=args.device,
+        config=config, **speculation,
     )  # fmt: skip
     run(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     return 0
