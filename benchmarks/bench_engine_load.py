@@ -88,7 +88,7 @@ def run_load(target, draft, tok, prompts, mode, profile, args) -> dict:
         policy=make_policy(mode, profile),
         max_batch_size=len(prompts),
         layout=args.layout,
-        cpu_packing=args.cpu_packing,
+        kernels="packed" if args.cpu_packing else "stock",  # DSparkEngine(cpu_packing=) was the older spelling
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     start = time.perf_counter()

@@ -117,8 +117,8 @@ def test_calibrate_end_to_end_on_generate(tmp_path):
     from dspark_hf.scheduling.policies import HardwareAwarePolicy
     from dspark_hf.scheduling.sps import SPSProfile
 
-    loaded.policy = HardwareAwarePolicy(sps=SPSProfile({1: 0.065, 2: 0.107, 16: 0.107, 32: 0.142}))
-    out = target.generate(prompts[0], max_new_tokens=20, do_sample=False, assistant_model=loaded)
+    policy = HardwareAwarePolicy(sps=SPSProfile({1: 0.065, 2: 0.107, 16: 0.107, 32: 0.142}))
+    out = target.generate(prompts[0], max_new_tokens=20, do_sample=False, assistant_model=loaded, dspark_policy=policy)
     assert torch.equal(out, target.generate(prompts[0], max_new_tokens=20, do_sample=False))
     stats = loaded.last_generation_stats
     assert stats.policy.startswith("HardwareAwarePolicy")

@@ -33,7 +33,7 @@ def _pair(arch: str, head: str, aligned: bool, subset: bool):
 
 
 def _rounds(target, draft, compiled: bool, do_sample: bool):
-    draft.compiled_round = compiled
+    draft.generation_config.dspark_compiled = compiled  # the draft's default, as any option
     prompt = torch.tensor([[3, 17, 42, 8, 91, 5, 23]])
     torch.manual_seed(7)
     out = target.generate(

@@ -53,13 +53,14 @@ def test_fixed_policies_never_decline(monkeypatch, policy):
 
 
 def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monkeypatch):
-    """`DSparkConfig.default_policy` (what the shipped drafts record as measured fastest for them) is used when
-    neither the call nor the generation config names a policy; a policy named in the call still wins."""
+    """The draft's recorded `dspark_policy` (its `generation_config.json`: what the shipped drafts record as
+    measured fastest for them) is used when neither the call nor its generation config names a policy; a policy
+    named in the call still wins."""
     monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
     target = make_target("llama", markov=True)
     draft = make_aligned_draft(target, block_size=5)
     draft.config.confidence_calibrated = True
-    draft.config.default_policy = "fixed:2"
+    draft.generation_config.dspark_policy = "fixed:2"
     prompt = torch.tensor([[5, 17, 3, 9]])
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     out = target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
@@ -69,23 +70,23 @@ def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monke
     assert {r.verified for r in stats.rounds if r.drafted} <= {1, 2} and any(r.verified == 2 for r in stats.rounds)
     target.generate(prompt, assistant_model=draft, dspark_policy="hardware_aware_uniform", max_new_tokens=24)
     assert "Uniform" in draft.last_generation_stats.policy
-    draft.config.default_policy = None
+    draft.generation_config.dspark_policy = None
     target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
     assert "Uniform" in draft.last_generation_stats.policy
 
 
-def test_the_engine_keeps_the_librarys_default_policy_whatever_the_draft_records(monkeypatch):
-    """`DSparkEngine` (and so `dspark serve`) without `policy=` runs the library's default, not the draft's
-    recorded `default_policy` (measured for `generate()` at batch 1: as the server's default, `adaptive:4`
-    probed drafting at every batch size and served 0.89-0.99x the throughput without speculation, see
-    docs/serving.md); a policy named to the engine wins."""
+def test_the_engine_runs_the_drafts_recorded_default_policy_like_generate(monkeypatch):
+    """`DSparkEngine` (and so `dspark serve`) without `policy=` runs the draft's recorded default, as `generate()`
+    does (one resolver, `dspark_hf.decoding.options`), else the library's; a policy named to the engine wins."""
     monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
     target = make_target("llama", markov=True)
     draft = make_aligned_draft(target, block_size=5)
     draft.config.confidence_calibrated = True
-    draft.config.default_policy = "adaptive:3"
-    assert isinstance(DSparkEngine(target, draft).policy, UniformHardwareAwarePolicy)
+    draft.generation_config.dspark_policy = "adaptive:3"
+    assert DSparkEngine(target, draft).policy == AdaptivePolicy(3)
     assert DSparkEngine(target, draft, policy="fixed:2").policy == FixedPolicy(2)
+    draft.generation_config.dspark_policy = None
+    assert isinstance(DSparkEngine(target, draft).policy, UniformHardwareAwarePolicy)
     engine = DSparkEngine(target, draft, policy="adaptive:2")
     assert engine.policy == AdaptivePolicy(2)
     prompt = [5, 17, 3, 9]

@@ -87,16 +87,14 @@ def test_lookup_setting_precedence_in_the_engine():
     target = make_target("llama", vocab_size=96, markov=True)
     draft = make_aligned_draft(target, "markov", block_size=5)
     assert DSparkEngine(target, draft, policy="fixed").lookup is None  # the library default
-    draft.config.default_lookup = True  # what a shipped draft records
+    draft.generation_config.dspark_lookup = True  # what a shipped draft records
     try:
         assert DSparkEngine(target, draft, policy="fixed").lookup == LookupConfig()
         assert DSparkEngine(target, draft, policy="fixed", lookup=False).lookup is None
         assert DSparkEngine(target, draft, policy="fixed", lookup=3).lookup == LookupConfig(max_tokens=3)
         assert DSparkEngine(target, draft, policy="none").lookup is None  # no speculation: no copies either
-        draft.lookup = False
-        assert DSparkEngine(target, draft, policy="fixed").lookup is None
     finally:
-        draft.config.default_lookup, draft.lookup = None, None
+        draft.generation_config.dspark_lookup = None
 
 
 def test_the_gate_stops_copying_where_it_loses_and_probes_again():

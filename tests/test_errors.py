@@ -129,7 +129,7 @@ def test_bad_policy(spec):
 def test_threshold_without_confidence_head():
     target = make_target("llama")
     draft = DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=8, confidence_head=False)
-    draft.policy = "threshold:0.5"
+    draft.generation_config.dspark_policy = "threshold:0.5"
     with pytest.raises(ValueError, match="confidence head"):
         target.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=3, assistant_model=draft)
 

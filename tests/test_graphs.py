@@ -232,7 +232,7 @@ def _graph_warnings(caplog):
     return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("how", ["kwarg", "config", "attribute"])
+@pytest.mark.parametrize("how", ["kwarg", "config", "draft default"])
 def test_requested_on_cpu_falls_back_once_with_the_reason(target, how, caplog):
     draft = _draft(target, "markov", subset=True)
     kwargs = {"max_new_tokens": 30, "do_sample": False}
@@ -242,7 +242,7 @@ def test_requested_on_cpu_falls_back_once_with_the_reason(target, how, caplog):
     elif how == "config":
         kwargs = {"generation_config": GenerationConfig(dspark_cuda_graphs=True, **kwargs)}
     else:
-        draft.cuda_graphs = True
+        draft.generation_config.dspark_cuda_graphs = True
     with caplog.at_level(logging.INFO, logger=LOGGER):
         out = target.generate(_prompt(), assistant_model=draft, dspark_policy="fixed", **kwargs)
     assert torch.equal(out, expected)
@@ -252,7 +252,7 @@ def test_requested_on_cpu_falls_back_once_with_the_reason(target, how, caplog):
     stats = draft.last_generation_stats
     assert stats.cuda_graphs is False and "cpu" in stats.cuda_graphs_fallback
     assert stats.num_rounds > 3
-    assert draft._call_cuda_graphs is None  # per call only
+    assert not hasattr(draft, "_call_cuda_graphs")  # nothing of the call is parked on the draft
 
 
 def test_default_is_off_on_cpu_and_silent(target, caplog):
@@ -267,11 +267,11 @@ def test_default_is_off_on_cpu_and_silent(target, caplog):
 
 def test_option_values_are_checked(target):
     draft = _draft(target, "markov")
-    with pytest.raises(ValueError, match=r"dspark_cuda_graphs=...\) must be True, False or None"):
+    with pytest.raises(ValueError, match=r"dspark_cuda_graphs must be True or False"):
         target.generate(_prompt(), assistant_model=draft, max_new_tokens=4, dspark_cuda_graphs="yes")
     with pytest.raises(ValueError, match="only applies with"):
         target.generate(_prompt(), max_new_tokens=4, dspark_cuda_graphs=True)
-    draft.cuda_graphs = True
+    draft.generation_config.dspark_cuda_graphs = True
     # the call's own value wins over the draft attribute: False is silent and eager
     target.generate(_prompt(), assistant_model=draft, max_new_tokens=4, dspark_cuda_graphs=False)
     assert draft.last_generation_stats.cuda_graphs_fallback is None
@@ -289,7 +289,7 @@ def test_processors_outside_the_graph_safe_set_are_named(monkeypatch):
 @pytest.fixture
 def graph_path_on_cpu(monkeypatch):
     """The graph path with its capture replaced by eager runs of the same padded step (static buffers and all);
-    a test asks for it with `draft.cuda_graphs = True` (auto is off on a CPU)."""
+    a test asks for it with the draft's `dspark_cuda_graphs` default (off on a CPU otherwise)."""
     monkeypatch.setattr(draft_graphs, "graph_unavailable", lambda draft, processors: None)
     monkeypatch.setattr(draft_graphs, "DraftStepGraphs", functools.partial(draft_graphs.DraftStepGraphs, capture=False))
 
@@ -297,7 +297,7 @@ def graph_path_on_cpu(monkeypatch):
 @pytest.mark.parametrize("head", ["markov", "rnn", "none"])
 def test_graph_path_drives_generate_to_the_same_greedy_output(target, head, graph_path_on_cpu):
     draft = _draft(target, head, subset=head == "markov")
-    draft.cuda_graphs = True
+    draft.generation_config.dspark_cuda_graphs = True
     for seed, length, max_new in ((0, 10, 40), (1, 70, 30), (2, 3, 9)):  # crossing the 64/128 buckets
         prompt = _prompt(seed, length)
         expected = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
@@ -308,7 +308,7 @@ def test_graph_path_drives_generate_to_the_same_greedy_output(target, head, grap
 
 def test_graph_path_sampling_is_reproducible(target, graph_path_on_cpu):
     draft = _draft(target, "markov", subset=True)
-    draft.cuda_graphs = True
+    draft.generation_config.dspark_cuda_graphs = True
     outs = []
     for _ in range(2):
         torch.manual_seed(4)
@@ -320,7 +320,7 @@ def test_graph_path_sampling_is_reproducible(target, graph_path_on_cpu):
 def test_graph_path_reads_the_device_once_per_round(target, graph_path_on_cpu):
     """Mirroring the store and filling the static buffers add no host read: the round's one packed copy stays."""
     draft = _draft(target, "markov", subset=True)
-    draft.cuda_graphs = True
+    draft.generation_config.dspark_cuda_graphs = True
     with SyncCounter() as counter:
         target.generate(_prompt(), assistant_model=draft, dspark_policy="fixed", max_new_tokens=40, do_sample=True)
     rounds = sum(1 for r in draft.last_generation_stats.rounds if r.drafted)

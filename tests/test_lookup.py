@@ -116,8 +116,8 @@ def test_greedy_output_with_lookup_is_identical_and_the_drafts_context_stays_exa
 
 
 def test_lookup_precedence_and_the_policy_never_sees_a_copy():
-    """`generate(dspark_lookup=...)` overrides `draft.lookup`, which overrides the draft config's `default_lookup`,
-    which overrides the library default (off); lookup
+    """`generate(dspark_lookup=...)` overrides the call's generation config, which overrides the draft's recorded
+    `dspark_lookup` (its generation_config.json), which overrides the library default (off); lookup
     rounds are recorded as such and kept out of the draft's acceptance curve and the policy's payoff sums."""
     target = make_target("llama", vocab_size=96, markov=True)
     draft = make_aligned_draft(target, "markov")
@@ -128,14 +128,12 @@ def test_lookup_precedence_and_the_policy_never_sees_a_copy():
     ids, max_new = torch.cat([seen, seen[:, : start.shape[1] + 3]], dim=1), 8
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
     assert draft.last_generation_stats.lookup_rounds == 0  # the library default
-    draft.config.default_lookup = True  # what a shipped draft records
+    draft.generation_config.dspark_lookup = True  # what a shipped draft records
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
     assert draft.last_generation_stats.lookup_rounds > 0
-    draft.lookup = False  # the draft's attribute overrides its config
-    target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
+    off = GenerationConfig(max_new_tokens=max_new, do_sample=False, dspark_lookup=False)
+    target.generate(ids, generation_config=off, assistant_model=draft)  # the call's config overrides the draft's
     assert draft.last_generation_stats.lookup_rounds == 0
-    draft.config.default_lookup = None
-    draft.lookup = True
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft, dspark_policy="adaptive:3")
     stats = draft.last_generation_stats
     assert stats.lookup_rounds > 0

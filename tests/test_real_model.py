@@ -33,8 +33,7 @@ def test_real_target_greedy_identity_and_stats(smollm):
         kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         plain = target.generate(**inputs, **kwargs)
         for policy in ["fixed", "threshold:0.2"]:
-            draft.policy = policy
-            spec = target.generate(**inputs, assistant_model=draft, **kwargs)
+            spec = target.generate(**inputs, assistant_model=draft, dspark_policy=policy, **kwargs)
             assert torch.equal(plain, spec), f"{prompt!r} / {policy}"
             stats = draft.last_generation_stats
             assert stats.num_rounds >= 1 and stats.tau >= 1.0

@@ -90,7 +90,7 @@ def test_confidence_threshold_refuses_out_of_range():
 
 
 def test_policy_precedence_in_generate():
-    """generate(dspark_policy=...) > GenerationConfig.dspark_policy > draft.policy > fixed."""
+    """generate(dspark_policy=...) > GenerationConfig.dspark_policy > the draft's generation config > fixed."""
     from transformers import GenerationConfig
 
     from helpers import make_aligned_draft, make_target
@@ -101,7 +101,7 @@ def test_policy_precedence_in_generate():
     kw = dict(max_new_tokens=12, do_sample=False, assistant_model=draft)
     target.generate(ids, **kw)
     assert draft.last_generation_stats.policy == repr(FixedPolicy())
-    draft.policy = "fixed:2"
+    draft.generation_config.dspark_policy = "fixed:2"
     target.generate(ids, **kw)
     assert draft.last_generation_stats.policy == repr(FixedPolicy(2))
     target.generate(
@@ -110,6 +110,6 @@ def test_policy_precedence_in_generate():
     assert draft.last_generation_stats.policy == repr(FixedPolicy(3))
     target.generate(ids, dspark_policy="threshold:0.1", **kw)
     assert draft.last_generation_stats.policy == repr(ThresholdPolicy(0.1))
-    assert draft._call_policy is None  # per call only
+    assert draft.generation_config.dspark_policy == "fixed:2"  # a call's policy is for that call only
     with pytest.raises(ValueError, match="only applies"):
         target.generate(ids, max_new_tokens=3, dspark_policy="fixed")

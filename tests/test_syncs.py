@@ -75,7 +75,7 @@ def _put_back_int_token(monkeypatch):
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
 def test_generate_reads_the_device_once_per_round(target, gamma, do_sample):
     draft = _draft(target, gamma)
-    draft.guessed_path = False  # the accelerator configuration (the CPU default adds one read: see below)
+    draft.generation_config.dspark_guessed_path = False  # the accelerator configuration (the CPU default adds one read: see below)
     per_round, counter, rounds = _generate_syncs(target, draft, do_sample)
     # one-off setup reads (e.g. the draft vocabulary check) are spread over the rounds; allow 2 in total
     assert counter.total <= rounds + 2, (per_round, counter.by_site)
@@ -86,7 +86,7 @@ def test_generate_reads_the_device_once_per_round(target, gamma, do_sample):
 def test_generate_syncs_have_power(target, gamma, monkeypatch):
     """Putting back one `int(token)` per drafted position is detected (about γ + 1 reads a round)."""
     draft = _draft(target, gamma)
-    draft.guessed_path = False
+    draft.generation_config.dspark_guessed_path = False
     _put_back_int_token(monkeypatch)
     per_round, counter, rounds = _generate_syncs(target, draft, False, extra_files=(__file__,))
     assert counter.total > rounds + 2
@@ -126,7 +126,7 @@ ENGINE_BOUND = 9
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_engine_syncs_per_round_do_not_grow_with_rows(target, rows):
     draft = _draft(target, 5)
-    draft.guessed_path = False
+    draft.generation_config.dspark_guessed_path = False
     per_round, counter = _engine_syncs(target, draft, rows, do_sample=False)
     assert per_round <= ENGINE_BOUND, (rows, per_round, counter.by_site)
     assert per_round >= 1, "the counter must see the round's reads"
@@ -134,7 +134,7 @@ def test_engine_syncs_per_round_do_not_grow_with_rows(target, rows):
 
 def test_engine_syncs_have_power(target, monkeypatch):
     draft = _draft(target, 5)
-    draft.guessed_path = False
+    draft.generation_config.dspark_guessed_path = False
     _put_back_int_token(monkeypatch)
     per_round, counter = _engine_syncs(target, draft, 4, do_sample=False, extra_files=(__file__,))
     assert per_round > ENGINE_BOUND, (per_round, counter.by_site)

@@ -111,4 +111,4 @@ def test_speculative_generate_records_features_without_transformers_capturing_ho
     # transformers' output_hidden_states was never asked for (it would have left capturing hooks everywhere),
     # and the call's own hooks are gone
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
-    assert draft._call_recorder is None
+    assert not hasattr(draft, "_call_recorder")  # the call's hooks were never parked on the draft

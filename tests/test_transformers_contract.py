@@ -90,3 +90,48 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ the generate() hook's helpers (_transformers.py)
+def test_the_signature_guard_refuses_a_changed_private_method():
+    """The guard in front of the one private method the hook wraps fails loudly, naming what changed."""
+    import pytest
+
+    from dspark_hf import _transformers as api
+
+    api.check_candidate_generator_signature()  # the installed release: unchanged
+    assert api.original_candidate_generator_factory() is GenerationMixin._get_candidate_generator._dspark_original
+
+    def changed(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model):
+        return None
+
+    with pytest.raises(RuntimeError, match="cannot hook into this transformers release"):
+        api.check_candidate_generator_signature(changed)
+
+
+def test_generate_is_wrapped_once_and_a_call_keyword_rides_on_the_generation_config(monkeypatch):
+    """`generate()` is wrapped once; a `dspark_*` keyword reaches the candidate generator on (a copy of) the call's
+    `GenerationConfig`, which transformers carries to `_get_candidate_generator`, and the caller's own config is
+    left alone."""
+    from transformers import GenerationConfig
+
+    from dspark_hf import _transformers as api
+
+    wrapped = GenerationMixin.generate
+    api.hook_generate(lambda original, model, *args, **kwargs: None)  # a second wrap is refused
+    assert GenerationMixin.generate is wrapped and wrapped._dspark_original is not None
+    seen = []
+    hooked = GenerationMixin._get_candidate_generator
+
+    def spy(self, generation_config, *args, **kwargs):
+        seen.append(getattr(generation_config, "dspark_policy", None))
+        return hooked(self, generation_config, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", spy)
+    target = make_target("llama", markov=True)
+    draft = dspark_hf.DSparkDraftModel.from_target(target, num_hidden_layers=1, markov_rank=8)
+    mine = GenerationConfig(max_new_tokens=4, do_sample=False)
+    target.generate(torch.tensor([[1, 2, 3]]), generation_config=mine, assistant_model=draft, dspark_policy="fixed:2")
+    target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, assistant_model=draft, dspark_policy="fixed:3")
+    assert seen == ["fixed:2", "fixed:3"]
+    assert getattr(mine, "dspark_policy", None) is None

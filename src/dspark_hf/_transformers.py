@@ -1,8 +1,9 @@
 """Every use of transformers' private or version-dependent API, in one place (`tests/test_transformers_api.py`
 checks each against the installed release).
 
-The `generate()` hook itself (`GenerationMixin._get_candidate_generator`) lives in
-`dspark_hf.decoding.generation` with its signature guard; everything else is here:
+Here too, in its own section at the end, the mechanics of the `generate()` hook (`GenerationMixin.
+_get_candidate_generator` with its signature guard, and the thin `generate` wrapper), which
+`dspark_hf.decoding.generation` fills with DSpark's candidate generator; and:
 
 * which hidden states to ask for, and the `+1` offset of `hidden_states` (index 0 is the embeddings), with the
   version gate for selecting them by index; where the decoder layers are, to record the wanted layers' outputs
@@ -260,3 +261,105 @@ def model_name(model_or_config) -> str:
 def commit_hash(config) -> str | None:
     """The Hub revision a config was loaded from, when transformers recorded it."""
     return getattr(config, "_commit_hash", None)
+
+
+# ------------------------------------------------------------------------ the generate() hook (dspark_hf.decoding.generation)
+# transformers' assisted decoding picks its candidate generator in the private `_get_candidate_generator`, an
+# if/elif chain with no registry; a third-party drafter has to wrap it. The wrapping lives here, signature-guarded
+# and pinned by `tests/test_transformers_contract.py`; what DSpark does inside it lives in decoding/generation.py.
+
+#: The parameters of `GenerationMixin._get_candidate_generator` the hook was written against.
+EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
+    "self",
+    "generation_config",
+    "input_ids",
+    "inputs_tensor",
+    "logits_processor",
+    "model_kwargs",
+    "assistant_model",
+    "target_tokenizer",
+    "assistant_tokenizer",
+)
+
+
+def check_candidate_generator_signature(method=None) -> None:
+    """Raise `RuntimeError` when `GenerationMixin._get_candidate_generator` (or `method`) no longer has the
+    parameters the hook was written against."""
+    from transformers import GenerationMixin
+
+    method = method if method is not None else original_candidate_generator_factory()
+    params = tuple(inspect.signature(method).parameters)
+    if params != EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS:
+        raise RuntimeError(
+            f"dspark_hf cannot hook into this transformers release: {GenerationMixin.__name__}._get_candidate_generator "
+            f"has parameters {params}, expected {EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS}. Please report this with "
+            f"your transformers version ({transformers.__version__})."
+        )
+
+
+def original_candidate_generator_factory():
+    """transformers' own `GenerationMixin._get_candidate_generator` (unwrapped)."""
+    from transformers import GenerationMixin
+
+    method = GenerationMixin._get_candidate_generator
+    return getattr(method, "_dspark_original", method)
+
+
+def hook_candidate_generator(make) -> None:
+    """Wrap `GenerationMixin._get_candidate_generator` once (idempotent): `make(model, generation_config,
+    input_ids, logits_processor, assistant_model)` returns a candidate generator, or `None` to leave the call to
+    transformers' own choice, which then runs with exactly its original arguments."""
+    from transformers import GenerationMixin
+
+    original = GenerationMixin._get_candidate_generator
+    if getattr(original, "_dspark_wrapped", False):
+        return
+    check_candidate_generator_signature(original)
+
+    @functools.wraps(original)
+    def _get_candidate_generator(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=None,
+        target_tokenizer=None,
+        assistant_tokenizer=None,
+    ):
+        generator = make(self, generation_config, input_ids, logits_processor, assistant_model)
+        if generator is not None:
+            return generator
+        return original(
+            self,
+            generation_config,
+            input_ids,
+            inputs_tensor,
+            logits_processor,
+            model_kwargs,
+            assistant_model,
+            target_tokenizer,
+            assistant_tokenizer,
+        )
+
+    _get_candidate_generator._dspark_wrapped = True
+    _get_candidate_generator._dspark_original = original
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+
+def hook_generate(wrapper) -> None:
+    """Wrap the public `GenerationMixin.generate` once (idempotent): every call becomes
+    `wrapper(original_generate, model, *args, **kwargs)`."""
+    from transformers import GenerationMixin
+
+    original = GenerationMixin.generate
+    if getattr(original, "_dspark_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        return wrapper(original, self, *args, **kwargs)
+
+    generate._dspark_original = original
+    GenerationMixin.generate = generate

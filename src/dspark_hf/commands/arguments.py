@@ -38,9 +38,10 @@ _COMPILED_HELP = (
     "the drafting round as compiled calls where that backend is eligible (the exact CPU kernels): on, off or auto (on)"
 )
 _KERNELS_HELP = (
-    "CPU kernels of every forward of the run: exact (batch-invariant: speculative greedy output equals plain "
-    "decoding on them by construction), stock (PyTorch's own) or packed (default: exact for a float32 "
-    "Llama/Qwen target on the CPU, stock elsewhere; see docs/cpu-packing.md)"
+    "CPU kernels of every forward of the run: exact (batch-invariant: a sequence's tokens do not depend on the "
+    "others decoded with it, so speculative greedy output equals plain decoding on them by construction), stock "
+    "(PyTorch's own) or packed (default: exact for a float32 Llama/Qwen target on the CPU, stock elsewhere; see "
+    "docs/cpu-packing.md)"
 )
 
 
@@ -177,3 +178,13 @@ def speculation_variants(args: argparse.Namespace) -> dict[str, SpeculationArgum
         parts = [f.metadata["method"].format(value) for (f, value), axis in zip(combination, axes) if len(axis) > 1]
         variants["@".join(parts)] = replace(SpeculationArguments(), **{f.name: value for f, value in combination})
     return variants
+
+
+def share_speculation_help(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """Give flags that another dataclass defines (`dspark prepare-data`'s `--kernels`, a field of
+    `PrepareDataArguments`, which its YAML configs also set) the help and choices of [`SpeculationArguments`]'
+    field of the same name, so that each flag is described once."""
+    by_name = {f.name: f.metadata for f in fields(SpeculationArguments)}
+    for action in parser._actions:
+        if action.dest in names:
+            action.help, action.choices = by_name[action.dest]["help"], by_name[action.dest].get("choices")

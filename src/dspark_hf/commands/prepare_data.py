@@ -14,7 +14,10 @@ from ._common import UserError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dspark_hf.train.args import PREPARE_ARGUMENT_TYPES, build_argument_parser
 
+    from .arguments import share_speculation_help
+
     build_argument_parser(PREPARE_ARGUMENT_TYPES, parser)
+    share_speculation_help(parser, ("kernels",))  # --kernels reads as in dspark generate, eval and serve
 
 
 def main(args: argparse.Namespace) -> int:

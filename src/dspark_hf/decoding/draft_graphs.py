@@ -34,12 +34,11 @@ replays one graph per `(rows, capacity)` bucket, captured on first use after a w
 Captured graphs live on the draft in a bounded LRU cache ([`GraphCache`]) keyed by the sampling mode, the
 logits processors' settings and the draft's weights, so later `generate()` calls reuse them.
 
-The option `cuda_graphs` (`None` = auto: on for a CUDA draft, off elsewhere) is read, by precedence, from
-`generate(dspark_cuda_graphs=...)`, `generation_config.dspark_cuda_graphs` and `draft.cuda_graphs`. When it is
-on but the graph path cannot run (the draft is not on a CUDA device, a logits processor outside
-`TemperatureLogitsWarper` / `TopKLogitsWarper` / `TopPLogitsWarper`, which read only the scores, or a capture
-that raised), the call runs the eager path and logs the reason once (a warning when the option was asked for,
-info under auto); `draft.last_generation_stats.cuda_graphs` says whether the graph path ran and
+The option `cuda_graphs` (on by default for a CUDA draft, off elsewhere) is resolved with every other option by
+`dspark_hf.decoding.options.resolve_options`. When it is on but the graph path cannot run (the draft is not on a
+CUDA device, a logits processor outside `TemperatureLogitsWarper` / `TopKLogitsWarper` / `TopPLogitsWarper`,
+which read only the scores, or a capture that raised), the call runs the eager path and logs the reason once (a
+warning); `draft.last_generation_stats.cuda_graphs` says whether the graph path ran and
 `cuda_graphs_fallback` why not. The greedy guessed path (a host read per round) does not apply to the graph
 path.
 """
@@ -333,26 +332,6 @@ class DraftStepGraphs:
         return out
 
 
-def requested_cuda_graphs(draft, generation_config) -> bool | None:
-    """The `cuda_graphs` option of a call: `generate(dspark_cuda_graphs=...)`, else
-    `generation_config.dspark_cuda_graphs`, else `draft.cuda_graphs`; `None` (auto) when none is set."""
-    sources = (
-        ("generate(dspark_cuda_graphs=...)", getattr(draft, "_call_cuda_graphs", None)),
-        ("generation_config.dspark_cuda_graphs", getattr(generation_config, "dspark_cuda_graphs", None)),
-        ("draft.cuda_graphs", getattr(draft, "cuda_graphs", None)),
-    )
-    for name, value in sources:
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise ValueError(
-                f"{name} must be True, False or None (auto: on for a CUDA draft), got {value!r}. Pass a bool, "
-                "or leave it unset."
-            )
-        return value
-    return None
-
-
 def graph_unavailable(draft, processors) -> str | None:
     """Why the graph path cannot run for this draft and these processors (`None` when it can)."""
     if draft.device.type != "cuda":
@@ -366,17 +345,14 @@ def graph_unavailable(draft, processors) -> str | None:
     return None
 
 
-def draft_step_graphs(draft, generation_config, processors, do_sample: bool, stats=None) -> DraftStepGraphs | None:
+def draft_step_graphs(draft, requested: bool, processors, do_sample: bool, stats=None) -> DraftStepGraphs | None:
     """The graph path for one `generate()` call, or `None` to run the eager path.
 
-    Resolves the `cuda_graphs` option ([`requested_cuda_graphs`]; auto = on for a CUDA draft). When it is on but
-    the graph path cannot run, logs the reason once for the call (a warning if the option was asked for, info
-    under auto) and records it in `stats.cuda_graphs_fallback`.
+    `requested` is the call's resolved `cuda_graphs` option (`dspark_hf.decoding.options`: on by default for a
+    CUDA draft). When it is on but the graph path cannot run, logs the reason once for the call (a warning) and
+    records it in `stats.cuda_graphs_fallback`.
     """
-    requested = requested_cuda_graphs(draft, generation_config)
-    if requested is None and draft.device.type != "cuda":
-        return None  # auto, off outside CUDA: nothing to say
-    if requested is False:
+    if not requested:
         return None
     reason = graph_unavailable(draft, processors)
     mode_failed = None
@@ -386,7 +362,7 @@ def draft_step_graphs(draft, generation_config, processors, do_sample: bool, sta
         if mode_failed is None:
             return runner
         reason = f"an earlier capture failed ({mode_failed})"
-    _fall_back(reason, explicit=requested is True or mode_failed is not None, stats=stats)
+    _fall_back(reason, explicit=True, stats=stats)
     return None
 
 

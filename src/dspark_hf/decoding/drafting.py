@@ -366,8 +366,9 @@ def sample_block(
         hidden (`torch.Tensor` of shape `(R, γ, d)`), base_logits: from [`draft_block`].
         anchors (`torch.LongTensor` of shape `(R,)`): each row's previous token for position 0.
         sampler ([`SequenceSampler`] or [`RowsSampler`]): processors, draws and the running history.
-        guessed_path (`bool`, *optional*): use the greedy guessed path (module docs); defaults to
-            `draft.guessed_path`, and when that is `None` to on for a CPU draft and off elsewhere. Only used for
+        guessed_path (`bool`, *optional*): use the greedy guessed path (module docs); the drivers pass
+            their resolved `guessed_path` option (`dspark_hf.decoding.options`); `None` is on for a CPU draft and
+            off elsewhere. Only used for
             greedy rows without processors and with a sequential head.
 
     Returns:
@@ -376,8 +377,6 @@ def sample_block(
     head = draft.markov_head
     rows, gamma = hidden.shape[:2]
     anchors = anchors.to(hidden.device)
-    if guessed_path is None:
-        guessed_path = getattr(draft, "guessed_path", None)
     if guessed_path is None:
         guessed_path = hidden.device.type == "cpu"
     start, tokens, logits, confs = 0, [], [], []

@@ -51,9 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.cpu_packing import cpu_packing_enabled
-from ..model.kernels import KERNEL_MODES, build_exact_kernels, explicit_kernels, use_kernels
-from ..scheduling.policies import ScheduleContext, resolve_policy, uniform_length
+from ..model.kernels import build_exact_kernels, use_kernels
+from ..scheduling.policies import ScheduleContext, uniform_length
 from . import draft_graphs
 from .caches import SlotKV, SlotRow
 from .drafting import (
@@ -81,8 +80,9 @@ from .engine_batch import (
     ragged_target_forward,
     slot_target_forward,
 )
-from .lookup import LookupGate, LookupIndex, first_lookup_setting
+from .lookup import LookupGate, LookupIndex
 from .metrics import EngineMetrics
+from .options import resolve_options
 from .stats import GenerationStats
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,10 @@ class DSparkEngine:
         tokenizer (`PreTrainedTokenizerBase`, *optional*): needed for text and chat-message prompts and for
             `RequestOutput.text`.
         policy (`str` or [`VerificationPolicy`], *optional*): see [`resolve_policy`]; `"none"` disables
-            drafting. Defaults to `hardware_aware_uniform` for a calibrated draft, else `fixed` (the whole block).
+            drafting. Like every option below, resolved by `dspark_hf.decoding.options.resolve_options` with the
+            one precedence of every driver: this argument, then the draft's own default (its
+            `generation_config.json`), then the library's (`hardware_aware_uniform` for a calibrated draft, else
+            `fixed`, the whole block).
         max_batch_size (`int`, *optional*, defaults to 8): most requests decoded at once.
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.
@@ -243,23 +246,24 @@ class DSparkEngine:
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
             same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (512) tokens (a
             longer prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at
-            different shapes); the rounds run the padded layout. Defaults to the mode set with [`set_kernels`] or
-            `DSPARK_KERNELS`, else `"packed"` when `cpu_packing` is on, else `"stock"`. The models are switched
-            while the engine has work and switched back when it is idle.
-        cpu_packing (`bool`, *optional*): the older spelling of `kernels="packed"`. Defaults to
-            [`cpu_packing_enabled`].
+            different shapes); the rounds run the padded layout. Defaults to the draft's own default, then the
+            library's. The models are switched while the engine has work and switched back when it is idle.
         cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
-            it eagerly); `None` (the default) turns it on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
+            it eagerly); unset, the draft's default, else on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
             (when capture is impossible the engine logs why and runs eagerly).
+        compiled (`bool`, *optional*): run the drafting round as compiled calls where that backend is eligible;
+            unset, the draft's default, else on.
         lookup (`bool`, `int`, `str` or [`LookupConfig`], *optional*): prompt lookup as a second proposer
             (`dspark_hf.decoding.lookup`), as in `generate()`: a round in which some requests' last tokens recur
             in their own context verifies those requests' copies (the others take a plain step in it) and does
             not draft; the policy neither plans nor observes such a round. A copy widens a padded forward for
             every row, so with an SPS profile the round verifies the copy length that pays on it (or none), and
             a [`LookupGate`] measures, per batch size, whether copy rounds emit more per second than the others
-            and stops copying where they do not. Defaults to `draft.lookup`, then the draft config's
-            `default_lookup`, then off; always off without speculation.
+            and stops copying where they do not. Unset, the draft's default, else off; always off without
+            speculation.
+
+    The resolved options are `engine.options` ([`SpeculationOptions`]).
     """
 
     def __init__(
@@ -272,10 +276,10 @@ class DSparkEngine:
         max_tokens: int | None = None,
         layout: str = "auto",
         sps=None,
-        cpu_packing: bool | None = None,
         cuda_graphs: bool | None = None,
         kernels: str | None = None,
         lookup=None,
+        compiled: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -291,12 +295,18 @@ class DSparkEngine:
         self.speculate = draft is not None and policy != "none"
         self.draft = draft if self.speculate else None
         self.gamma = draft.config.block_size if self.speculate else 0
-        self.policy, self.schedule_context = None, ScheduleContext()
-        if kernels is None:
-            packing = cpu_packing_enabled() if cpu_packing is None else cpu_packing
-            kernels = explicit_kernels() or ("packed" if packing else "stock")
-        if kernels not in KERNEL_MODES:
-            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}.")
+        self.schedule_context = ScheduleContext()
+        call = {
+            "policy": policy,
+            "lookup": lookup,
+            "cuda_graphs": cuda_graphs,
+            "kernels": kernels,
+            "compiled": compiled,
+        }
+        if not self.speculate:
+            call = {"kernels": kernels}
+        self.options = resolve_options(self.draft, target, call=call)
+        self.policy, self.lookup, kernels = self.options.policy, self.options.lookup, self.options.kernels
         if kernels == "exact" and layout == "packed":
             raise ValueError(
                 "layout='packed' puts every row in one sequence, which the exact kernels treat as one long "
@@ -312,9 +322,6 @@ class DSparkEngine:
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
-            self.policy = resolve_policy(
-                policy, has_confidence=draft.confidence_head is not None, calibrated=draft.config.confidence_calibrated
-            )
             if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
                 if sps is None:
                     from ..scheduling.sps import get_sps_profile
@@ -325,11 +332,8 @@ class DSparkEngine:
             self.temperatures = torch.tensor(
                 draft.config.calibration_temperatures, dtype=torch.float32, device=draft.device
             )
-        self.lookup = None
-        if self.speculate:  # the same precedence as generate()'s, less the per-call setting
-            self.lookup = first_lookup_setting(lookup, draft.lookup, draft.config.default_lookup)
         self.lookup_gate = LookupGate() if self.lookup is not None else None
-        self.graphs = self._draft_graphs(cuda_graphs) if self.speculate else None
+        self.graphs = self._draft_graphs(self.options.cuda_graphs) if self.speculate else None
         self.graph_rounds = 0  # rounds whose draft step ran on the graph path
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
         self.metrics = EngineMetrics(block_size=max(self.gamma, 1))
@@ -617,7 +621,9 @@ class DSparkEngine:
                 t_head = time.perf_counter()
                 histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
                 sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
-                block = sample_block(self.draft, hidden, base, anchor_ids, sampler)
+                block = sample_block(
+                    self.draft, hidden, base, anchor_ids, sampler, guessed_path=self.options.guessed_path
+                )
                 scores = score_block(block, self.temperatures)
             host = read_round(block, scores)
             drafted = host.tokens

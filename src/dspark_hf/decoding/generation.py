@@ -20,21 +20,28 @@ returned `q` is exactly the (processed) distribution each token was drawn from, 
 
 from __future__ import annotations
 
-import functools
-import inspect
+import copy
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import torch
-import transformers
-from transformers import GenerationMixin
+from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .._transformers import eos_token_ids, hidden_states_request, recording_layers, selected_hidden_states
+from .._transformers import (
+    EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS,
+    eos_token_ids,
+    hidden_states_request,
+    hook_candidate_generator,
+    hook_generate,
+    recording_layers,
+    selected_hidden_states,
+)
 from ..model.compat import check_target_compatibility
-from ..model.kernels import default_kernels, explicit_kernels, use_kernels
+from ..model.kernels import use_kernels
 from ..model.modeling import DSparkDraftModel
-from ..scheduling.policies import ScheduleContext, resolve_policy
+from ..scheduling.policies import ScheduleContext
 from .caches import KVStore
 from .compiled import CompiledRound
 from .draft_graphs import draft_step_graphs
@@ -51,20 +58,16 @@ from .drafting import (
     verified_lengths,
 )
 from .drafting import round_stats as make_round_stats
-from .lookup import first_lookup_setting, lookup_continuation
+from .lookup import lookup_continuation
+from .options import SpeculationOptions, call_options, config_key, resolve_options
 from .stats import GenerationStats, RoundStats
 
-EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
-    "self",
-    "generation_config",
-    "input_ids",
-    "inputs_tensor",
-    "logits_processor",
-    "model_kwargs",
-    "assistant_model",
-    "target_tokenizer",
-    "assistant_tokenizer",
-)
+__all__ = ["EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS", "DSparkCandidateGenerator", "install_generate_hook"]
+
+#: The target-layer recorder of the speculative `generate()` call running in this context: made by the call's
+#: wrapper (which removes its hooks when the call ends), read by the candidate generator transformers builds
+#: inside that call. Scoped to the call, never parked on the draft.
+_CALL_RECORDER: ContextVar = ContextVar("dspark_call_recorder", default=None)
 
 
 #: Committed tokens whose features may wait for the draft's next drafting round before they are ingested anyway.
@@ -77,31 +80,25 @@ class DSparkCandidateGenerator(CandidateGenerator):
     Args:
         draft ([`DSparkDraftModel`]): the draft, bound to `target`.
         target (`PreTrainedModel`): the model being generated from.
-        generation_config (`GenerationConfig`): the call's generation config. The verification policy (a
-            policy object or string, see [`resolve_policy`]) is, by precedence: `generate(dspark_policy=...)`,
-            `generation_config.dspark_policy`, `draft.policy`, the draft config's `default_policy` (the shipped
-            drafts record the policy measured fastest for them), then `"hardware_aware_uniform"` for a draft
-            with a calibrated confidence head and `"fixed"` otherwise.
+        generation_config (`GenerationConfig`): the call's generation config. Its `dspark_*` attributes (where
+            `generate(dspark_policy=..., ...)` keywords are carried too) are resolved with the draft's defaults
+            by [`resolve_options`], the one precedence every driver uses: the policy, prompt lookup, CUDA graphs
+            of the draft step, the compiled round (on the exact CPU kernels) and the sequential head's guessed path.
         logits_processor (`LogitsProcessorList`, *optional*): the target's processors (temperature, top-k,
             top-p, repetition penalty, …); applied identically to the draft so sampling stays exact.
+        recorder (`LayerRecorder`, *optional*): the hooks recording the target layers' outputs for this call (see
+            `install_generate_hook`); without it the features are asked of transformers (`output_hidden_states`).
 
-    Prompt lookup (`dspark_hf.decoding.lookup`) proposes before the draft drafts when it is on: by precedence
-    `generate(dspark_lookup=...)`, `generation_config.dspark_lookup`, `draft.lookup`, the draft config's
-    `default_lookup`, then off. A round whose last tokens recur in the context verifies the copy instead of a
-    draft; verification is the same, so output stays exactly the target's.
-
-    On the exact CPU kernels (the CLI's default for a float32 CPU target) the drafting round runs as three
-    compiled calls (`dspark_hf.decoding.compiled`; drafts exactly what the eager round drafts; set
-    `draft.compiled_round = False` for the eager round).
-
-    The draft step runs as a captured CUDA graph when the `cuda_graphs` option is on (by precedence
-    `generate(dspark_cuda_graphs=...)`, `generation_config.dspark_cuda_graphs`, `draft.cuda_graphs`; `None`, the
-    default, is on for a CUDA draft), see `dspark_hf.decoding.draft_graphs`.
+    Prompt lookup (`dspark_hf.decoding.lookup`), when on, proposes before the draft drafts: a round whose last
+    tokens recur in the context verifies the copy instead of a draft; verification is the same, so output stays
+    exactly the target's.
     """
 
     requires_model_outputs = True
 
-    def __init__(self, draft: DSparkDraftModel, target, generation_config, logits_processor=None) -> None:
+    def __init__(
+        self, draft: DSparkDraftModel, target, generation_config, logits_processor=None, recorder=None
+    ) -> None:
         self.draft = draft
         self.target = target
         self.config = draft.config
@@ -109,19 +106,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
         self.eos_token_ids = eos_token_ids(generation_config)
-        spec = (
-            draft._call_policy
-            or getattr(generation_config, "dspark_policy", None)
-            or draft.policy
-            or self.config.default_policy
-        )
-        self.policy = resolve_policy(
-            spec, has_confidence=draft.confidence_head is not None, calibrated=self.config.confidence_calibrated
-        )
-        # prompt lookup as a second proposer (dspark_hf.decoding.lookup), by the same precedence as the policy
-        settings = (draft._call_lookup, getattr(generation_config, "dspark_lookup", None), draft.lookup)
-        settings += (self.config.default_lookup,)
-        self.lookup = first_lookup_setting(*settings)
+        self.options: SpeculationOptions = resolve_options(draft, target, generation_config=generation_config)
+        self.policy, self.lookup = self.options.policy, self.options.lookup
         self.schedule_context = ScheduleContext()
         if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
             from ..scheduling.sps import get_sps_profile
@@ -129,7 +115,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.schedule_context.sps = get_sps_profile(target).sps
         # the target layers' outputs: recorded by hooks of this call (generate() below) where the layers can be
         # hooked, else asked of transformers (whose capturing hooks then stay on the target for good, ~3%/forward)
-        self.recorder = getattr(draft, "_call_recorder", None)
+        self.recorder = recorder
         self.model_kwargs_overrides = (
             {}
             if self.recorder is not None
@@ -150,12 +136,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.stats = GenerationStats(block_size=self.config.block_size, policy=repr(self.policy))
         draft.last_generation_stats = self.stats
-        self.graphs = draft_step_graphs(draft, generation_config, logits_processor, self.do_sample, self.stats)
+        self.graphs = draft_step_graphs(draft, self.options.cuda_graphs, logits_processor, self.do_sample, self.stats)
         # on the exact CPU kernels, the round in three compiled calls (dspark_hf.decoding.compiled)
         self.compiled = (
-            CompiledRound.create(draft, self.max_length)
-            if self.graphs is None and getattr(draft, "compiled_round", True)
-            else None
+            CompiledRound.create(draft, self.max_length) if self.graphs is None and self.options.compiled else None
         )
         self.greedy = not self.do_sample and not logits_processor
         self._pending: RoundStats | None = None
@@ -325,108 +309,101 @@ class DSparkCandidateGenerator(CandidateGenerator):
         verification) and confidence logits `[γ]` (or `None`)."""
         sampler = SequenceSampler(self.logits_processor, input_ids, self.do_sample, self.generator)
         anchors = input_ids[:, -1]
-        block = sample_block(self.draft, hidden[None], base_logits[None], anchors, sampler)
+        block = sample_block(
+            self.draft, hidden[None], base_logits[None], anchors, sampler, guessed_path=self.options.guessed_path
+        )
         conf = block.confidence_logits[0] if block.confidence_logits is not None else None
         return block.tokens[0], block.logits[0], conf
 
 
 # ---------------------------------------------------------------------- the single hook into transformers
-def _check_private_signature(method) -> None:
-    params = tuple(inspect.signature(method).parameters)
-    if params != EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS:
-        raise RuntimeError(
-            "dspark_hf cannot hook into this transformers release: GenerationMixin._get_candidate_generator has "
-            f"parameters {params}, expected {EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS}. Please report this with "
-            f"your transformers version ({transformers.__version__})."
-        )
-
-
 def install_generate_hook() -> None:
     """Make `generate(assistant_model=<DSparkDraftModel>)` use DSpark (idempotent; done on `import dspark_hf`).
 
-    The wrapper handles DSpark drafts and delegates every other call to the original method unchanged.
+    transformers picks an assisted-decoding candidate generator in a private method with no registry; the hook
+    (`dspark_hf._transformers.hook_candidate_generator`, signature-guarded) returns a [`DSparkCandidateGenerator`]
+    for a DSpark draft and leaves every other assistant to transformers. `generate()` itself is wrapped thinly
+    ([`_generate`]) for what must span the whole call.
     """
-    original = GenerationMixin._get_candidate_generator
-    if getattr(original, "_dspark_wrapped", False):
-        return
-    _check_private_signature(original)
+    hook_candidate_generator(_candidate_generator)
+    hook_generate(_generate)
 
-    @functools.wraps(original)
-    def _get_candidate_generator(
-        self,
-        generation_config,
-        input_ids,
-        inputs_tensor,
-        logits_processor,
-        model_kwargs,
-        assistant_model=None,
-        target_tokenizer=None,
-        assistant_tokenizer=None,
+
+def _candidate_generator(target, generation_config, input_ids, logits_processor, assistant_model):
+    """The candidate generator for `assistant_model` when it is a DSpark draft, else `None` (transformers' own)."""
+    if not isinstance(assistant_model, DSparkDraftModel):
+        return None
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"Speculative generate() with a DSpark draft runs one sequence at a time, got a batch of "
+            f"{input_ids.shape[0]}. transformers' assisted decoding is batch-size-1 only; loop over the "
+            "prompts, or serve them together with `dspark_hf.DSparkEngine` (the batched engine)."
+        )
+    if assistant_model.bound_target is not target:
+        assistant_model.bind_target(target)
+    recorder = _CALL_RECORDER.get()
+    return DSparkCandidateGenerator(assistant_model, target, generation_config, logits_processor, recorder=recorder)
+
+
+def _generate(original, target, *args, **kwargs):
+    """`GenerationMixin.generate` with the DSpark options: a thin wrapper, kept for three things a
+    `GenerationConfig` cannot carry.
+
+    1. The `dspark_*` keywords (`dspark_policy=`, `dspark_lookup=`, ...: `dspark_hf.decoding.options`), which
+       transformers would reject, are moved onto (a copy of) the call's generation config, where the candidate
+       generator reads them with every other level through `resolve_options`.
+    2. The kernel scope (`dspark_kernels`) must span the whole call: the prefill and, for a plain call, every step.
+    3. The hooks that record the target layers' outputs for the draft must span the whole call and be removed
+       when it ends (a candidate generator is never told that); they reach it through a context variable of
+       this call, not through the draft.
+
+    It also checks the draft against the target before transformers' vocabulary check, which would answer a
+    mismatch with a confusing "different tokenizers" message. Nothing is stored on the draft.
+    """
+    draft = kwargs.get("assistant_model")
+    call = call_options(kwargs)
+    if not isinstance(draft, DSparkDraftModel):
+        misplaced = sorted(config_key(name) for name in call if name != "kernels")
+        if misplaced:
+            raise ValueError(f"`{misplaced[0]}` only applies with `assistant_model=<DSparkDraftModel>`.")
+        args, config = _carry_options(args, kwargs, call)
+        if getattr(config, "dspark_kernels", None) is None:
+            return original(target, *args, **kwargs)  # a plain call that names no kernels: transformers' own
+        options = resolve_options(None, target, generation_config=config)
+        with use_kernels(target, mode=options.kernels):
+            return original(target, *args, **kwargs)
+    check_target_compatibility(draft.config, target)
+    args, config = _carry_options(args, kwargs, call)
+    options = resolve_options(draft, target, generation_config=config)
+    # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make verifying
+    # k tokens cost about what one token does (see dspark_hf.kernels).
+    with (
+        use_kernels(target, draft, mode=options.kernels),
+        recording_layers(target, draft.config.target_layer_ids) as recorder,
     ):
-        if not isinstance(assistant_model, DSparkDraftModel):
-            return original(
-                self,
-                generation_config,
-                input_ids,
-                inputs_tensor,
-                logits_processor,
-                model_kwargs,
-                assistant_model,
-                target_tokenizer,
-                assistant_tokenizer,
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"Speculative generate() with a DSpark draft runs one sequence at a time, got a batch of "
-                f"{input_ids.shape[0]}. transformers' assisted decoding is batch-size-1 only; loop over the "
-                "prompts, or serve them together with `dspark_hf.DSparkEngine` (the batched engine)."
-            )
-        if assistant_model.bound_target is not self:
-            assistant_model.bind_target(self)
-        return DSparkCandidateGenerator(assistant_model, self, generation_config, logits_processor)
-
-    _get_candidate_generator._dspark_wrapped = True
-    _get_candidate_generator._dspark_original = original
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
-
-    # generate() (public API) validates the assistant's vocabulary before any candidate generator exists and
-    # would answer a mismatch with a confusing "different tokenizers" message; check our draft first.
-    original_generate = GenerationMixin.generate
-
-    @functools.wraps(original_generate)
-    def generate(self, *args, **kwargs):
-        draft = kwargs.get("assistant_model")
-        # `dspark_kernels=` ("stock" / "packed" / "exact", see dspark_hf.model.kernels) applies to plain and speculative
-        # calls alike, so both can run on the same kernels; without it, a mode set with set_kernels() does.
-        kernels = kwargs.pop("dspark_kernels", None)
-        if not isinstance(draft, DSparkDraftModel):
-            for name in ("dspark_policy", "dspark_cuda_graphs", "dspark_lookup"):
-                if name in kwargs:
-                    raise ValueError(f"`{name}` only applies with `assistant_model=<DSparkDraftModel>`.")
-            kernels = kernels or explicit_kernels()
-            if kernels is None:
-                return original_generate(self, *args, **kwargs)
-            with use_kernels(self, mode=kernels):
-                return original_generate(self, *args, **kwargs)
-        check_target_compatibility(draft.config, self)
-        # `dspark_policy=` as a generate() argument applies to this call only; transformers would reject an
-        # unknown keyword, so it is handed to the candidate generator through the draft.
-        draft._call_policy = kwargs.pop("dspark_policy", None)
-        draft._call_cuda_graphs = kwargs.pop("dspark_cuda_graphs", None)  # likewise (draft_graphs.py)
-        draft._call_lookup = kwargs.pop("dspark_lookup", None)  # likewise (lookup.py)
+        token = _CALL_RECORDER.set(recorder)
         try:
-            # On a CPU the target (and the draft) run on the call's kernel mode: packed or exact kernels make
-            # verifying k tokens cost about what one token does (see dspark_hf.model.kernels).
-            with (
-                use_kernels(self, draft, mode=kernels or default_kernels()),
-                recording_layers(self, draft.config.target_layer_ids) as draft._call_recorder,
-            ):
-                return original_generate(self, *args, **kwargs)
+            return original(target, *args, **kwargs)
         finally:
-            draft._call_policy = None
-            draft._call_cuda_graphs = None
-            draft._call_lookup = None
-            draft._call_recorder = None
+            _CALL_RECORDER.reset(token)
 
-    generate._dspark_original = original_generate
-    GenerationMixin.generate = generate
+
+def _carry_options(args: tuple, kwargs: dict, call: dict) -> tuple[tuple, Any]:
+    """Put the call's `dspark_*` values on its generation config (a copy; the caller's is left alone) and return
+    `(args, config)`. Without a config of its own the call gets a fresh one holding its generation keywords, as
+    transformers builds it (which then fills the rest from the target's generation config)."""
+    positional = len(args) > 1  # generate(inputs, generation_config, ...)
+    config = args[1] if positional else kwargs.get("generation_config")
+    if not call:
+        return args, config
+    if config is not None:
+        config = copy.deepcopy(config)
+    else:
+        config = GenerationConfig()
+        config.update(**{key: kwargs.pop(key) for key in list(kwargs) if hasattr(config, key)})
+    for name, value in call.items():
+        setattr(config, config_key(name), value)
+    if positional:
+        return (args[0], config, *args[2:]), config
+    kwargs["generation_config"] = config
+    return args, config

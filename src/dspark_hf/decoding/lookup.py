@@ -20,8 +20,8 @@ import torch
 
 from ..scheduling.payoff import PayoffGuard
 
-#: Whether `generate(assistant_model=draft)` looks up before drafting when neither the call, its generation
-#: config nor the draft (`draft.lookup`) says.
+#: Whether a driver looks up before drafting when neither the call, its generation config nor the draft's own
+#: defaults say (the library's default in `dspark_hf.decoding.options.resolve_options`).
 DEFAULT_LOOKUP = False
 
 
@@ -58,12 +58,6 @@ def resolve_lookup(spec) -> LookupConfig | None:
     if isinstance(spec, int) and not isinstance(spec, bool):
         return LookupConfig(max_tokens=spec) if spec > 0 else None
     raise ValueError(f"dspark_lookup must be True/False, 'on'/'off', a token count or a LookupConfig, got {spec!r}.")
-
-
-def first_lookup_setting(*settings) -> LookupConfig | None:
-    """The lookup setting of the first of `settings` that is not `None` (highest precedence first), else
-    [`DEFAULT_LOOKUP`], resolved with [`resolve_lookup`]: the one precedence rule of `generate()` and the engine."""
-    return resolve_lookup(next((s for s in settings if s is not None), DEFAULT_LOOKUP))
 
 
 def lookup_continuation(ids: torch.Tensor, config: LookupConfig, limit: int | None = None) -> list[int]:

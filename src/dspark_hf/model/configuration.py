@@ -140,15 +140,6 @@ class DSparkConfig(PreTrainedConfig):
             Temperature Scaling). Defaults to all 1.0 (uncalibrated).
         confidence_calibrated (`bool`, *optional*, defaults to `False`): set by calibration; a calibrated
             draft defaults to the hardware-aware verification policy.
-        default_policy (`str`, *optional*): the verification policy `generate()` uses with this draft when the call
-            names none (see [`resolve_policy`]); `None` (the default) leaves the choice to the library
-            (`hardware_aware_uniform` for a calibrated draft). A shipped draft records here the policy measured
-            fastest for it at batch 1 (`benchmarks/bench_policies.py`). The batched engine and `dspark serve`
-            do not read it: under load they need a policy that backs off.
-        default_lookup (`bool`, *optional*): whether `generate()` with this draft tries prompt lookup before drafting
-            (`dspark_hf.decoding.lookup`) when the call, its generation config and `draft.lookup` leave it
-            unset; `None` (the default) leaves it to the library (off). A shipped draft records here what was
-            measured faster for it at batch 1 (`docs/results.md`).
         draft_vocab_size (`int`, *optional*): `K`, the size of the draft-side vocabulary subset the draft
             proposes from at inference (the ids are the model's `draft_vocab_ids` buffer, saved with the
             weights). `None` (the default) is the full vocabulary. Set both with
@@ -199,8 +190,6 @@ class DSparkConfig(PreTrainedConfig):
     confidence_with_markov: bool = True
     calibration_temperatures: list[float] | None = None
     confidence_calibrated: bool = False
-    default_policy: str | None = None
-    default_lookup: bool | None = None
     draft_vocab_size: int | None = None
     target_name_or_path: str | None = None
     target_revision: str | None = None
@@ -213,6 +202,11 @@ class DSparkConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         from .._version import __version__
+        from .generation_defaults import check_legacy_fields
+
+        # `default_policy` / `default_lookup` of older checkpoints: kept as plain attributes until the draft is
+        # built, which moves them into its generation config (dspark_hf.model.generation_defaults)
+        check_legacy_fields(kwargs)
 
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
@@ -285,11 +279,6 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(
                 f"DSparkConfig.markov_rank must be a positive integer when sequential_head={self.sequential_head!r}, "
                 f"got {self.markov_rank!r}. Use e.g. 64-256, or sequential_head='none' for no sequential head."
-            )
-        if self.default_lookup is not None and not isinstance(self.default_lookup, bool):
-            raise ValueError(
-                f"DSparkConfig.default_lookup must be true, false or null (the library's default), got "
-                f"{self.default_lookup!r}."
             )
 
     def _validate_ids(self) -> None:

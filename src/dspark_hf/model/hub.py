@@ -1,7 +1,8 @@
 """Sharing drafts on the Hugging Face Hub: model cards, pushes (ours or DeepSpec's format) and pulls.
 
 A push is **one atomic commit** holding `config.json` (the draft's fields, calibration temperatures and the
-target's provenance), the safetensors weights and a generated `README.md` model card. If the upload is cut
+target's provenance), the draft's runtime defaults (`generation_config.json`, when it records any), the
+safetensors weights and a generated `README.md` model card. If the upload is cut
 off, the repository stays at its previous commit; pushing again completes it (LFS objects that already
 arrived are not sent twice).
 
@@ -28,11 +29,13 @@ from typing import Any
 
 import torch
 
+from .generation_defaults import dspark_defaults
+
 LIBRARY_NAME = "dspark-hf"
 DEFAULT_TAGS = ("dspark", "speculative-decoding", "draft-model")
 FORMATS = ("dspark", "deepspec")
 # Files a draft repo needs; everything else (other checkpoints, logs, SPS profiles) is left on the Hub.
-DRAFT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "README.md"]
+DRAFT_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "README.md"]
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json")
 _DOCS_URL = "https://dspark-hf.readthedocs.io"
 
@@ -182,6 +185,7 @@ def model_card(
     calibrated = any(t != 1.0 for t in temps) or getattr(c, "confidence_calibrated", False)
     revision = f" (revision `{c.target_revision}`)" if c.target_revision else ""
     fmt_name = "DeepSpec (`Qwen3DSparkModel`; what vLLM / SGLang load)" if format == "deepspec" else "dspark-hf"
+    defaults = dspark_defaults(draft.generation_config)  # what every driver runs when the call names nothing
     rows = [
         ("Target", f"`{target}`{revision}"),
         ("Checkpoint format", fmt_name),
@@ -192,14 +196,16 @@ def model_card(
         ("Confidence head", confidence),
         ("Calibration (per-position temperatures)", f"`{temps}`" if calibrated else "uncalibrated (all 1.0)"),
         (
-            "Default verification policy in `generate()`",
-            f"`{c.default_policy}` (recorded in the config)" if c.default_policy else "the library's",
+            "Default verification policy",
+            f"`{defaults['dspark_policy']}` (`generation_config.json`)"
+            if "dspark_policy" in defaults
+            else "the library's",
         ),
         (
-            "Prompt lookup before drafting in `generate()`",
+            "Prompt lookup before drafting",
             "the library's default (off)"
-            if getattr(c, "default_lookup", None) is None
-            else f"{'on' if c.default_lookup else 'off'} (recorded in the config)",
+            if "dspark_lookup" not in defaults
+            else f"`{defaults['dspark_lookup']}` (`generation_config.json`)",
         ),
         ("Draft parameters", f"{sum(p.numel() for p in draft.parameters()):,}"),
         ("Written by", f"dspark-hf {c.dspark_version or __version__}"),

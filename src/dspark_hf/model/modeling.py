@@ -38,10 +38,12 @@ from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
 from .formats import read_deepspec_checkpoint
+from .generation_defaults import defaults_from_config, load_defaults, save_defaults
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead, RNNHead
 from .hub import checkpoint_format, push_draft
 from .kernels import mode_linear
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
+from .loading import load_exact_weights, own_aligned_storage, refuse_pickle
 from .speculators_format import read_speculators_checkpoint
 from .vocab import SubsetRows, validate_vocab_ids
 
@@ -118,19 +120,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         k = config.draft_vocab_size
         self.register_buffer("draft_vocab_ids", None if k is None else torch.full((k,), -1, dtype=torch.long))
         self._head_rows, self._head_bias_rows = SubsetRows(), SubsetRows()  # W_head[S] (and bias[S]), gathered once
-        self.policy = None  # default verification policy for generate(); see dspark_hf.scheduling.policies
-        self._call_policy = None  # set for the duration of one generate(dspark_policy=...) call
-        # greedy guessed path of the sequential head (dspark_hf.decoding.drafting): None = on for a CPU draft
-        self.guessed_path: bool | None = None
-        # generate()'s drafting round in compiled calls on the exact CPU kernels (dspark_hf.decoding.compiled)
-        self.compiled_round: bool = True
-        # CUDA-graph capture of the draft step in generate() (dspark_hf.decoding.draft_graphs): None = on for CUDA
-        self.cuda_graphs: bool | None = None
-        self._call_cuda_graphs = None  # set for the duration of one generate(dspark_cuda_graphs=...) call
-        # prompt lookup as a second proposer in generate() (dspark_hf.decoding.lookup): None = the library default
-        self.lookup = None
-        self._call_lookup = None  # set for the duration of one generate(dspark_lookup=...) call
-        self._call_recorder = None  # the target-layer hooks of one speculative generate() call (generation.py)
+        # the draft's own runtime defaults (dspark_policy, dspark_lookup, ...: dspark_hf.decoding.options), saved
+        # and loaded with the weights as generation_config.json, as transformers keeps an assistant's
+        self.generation_config = defaults_from_config(config)
         self._step_graphs = None  # the captured steps, made on first use
         self.last_generation_stats = None
         self.post_init()
@@ -165,7 +157,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         raises `huggingface_hub`'s `RepositoryNotFoundError` / `RevisionNotFoundError` (see `dspark_hf.model.hub`).
         """
         path = os.fspath(pretrained_model_name_or_path)
-        _refuse_pickle(path)
+        refuse_pickle(path)
         fmt = checkpoint_format(path, **kwargs)
         if fmt == "deepspec":
             draft = load_deepspec_checkpoint(path, **kwargs)
@@ -175,7 +167,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             kwargs.setdefault("use_safetensors", True)
             want_info = kwargs.pop("output_loading_info", False)
             draft, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
-            _own_aligned_storage(draft)
+            own_aligned_storage(draft)
             # transformers leaves a missing buffer uninitialised (with a warning); for the draft vocabulary
             # that would be arbitrary ids, so a config that promises a subset must come with its ids.
             if "draft_vocab_ids" in info.get("missing_keys", ()):
@@ -185,11 +177,19 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                     "`draft_vocab_size` from config.json to use the full vocabulary."
                 )
             draft._check_loaded_draft_vocab(path)
+            draft.generation_config = load_defaults(path, draft.generation_config, **kwargs)
             if want_info:
                 draft = (draft, info)
         if target is not None:
             (draft[0] if isinstance(draft, tuple) else draft).bind_target(target)
         return draft
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`, plus the draft's own defaults as `generation_config.json` (which
+        transformers writes for generative models only)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        save_defaults(self.generation_config, os.fspath(save_directory))
+        return out
 
     def push_to_hub(self, repo_id: str, *, format: str = "dspark", **kwargs):  # noqa: A002
         """Push the draft to the Hub: config, safetensors weights and a generated model card, in one commit.
@@ -521,31 +521,6 @@ def block_attention_mask(anchor_positions: torch.Tensor, context_length: int, bl
     return torch.cat([see_ctx, see_blk], dim=-1)[:, None]
 
 
-def _own_aligned_storage(model: nn.Module) -> None:
-    """Give every parameter its own, freshly allocated storage.
-
-    Tensors loaded from safetensors can live at an unaligned offset of a memory-mapped file; CPU math
-    libraries then take a different code path and the last bit of a result may differ from the model
-    that was saved. Copying makes a loaded draft bit-identical to the saved one.
-    """
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            tensor.data = tensor.data.clone()
-
-
-def _refuse_pickle(path: str) -> None:
-    if os.path.isdir(path):
-        names = set(os.listdir(path))
-        has_safe = any(n.endswith(".safetensors") for n in names)
-        pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt")))
-        if pickles and not has_safe:
-            raise ValueError(
-                f"{path} holds only pickle checkpoint(s) {pickles}; dspark_hf loads safetensors only, because "
-                "unpickling can run arbitrary code. Convert it once in a trusted environment, e.g. "
-                "`model.save_pretrained(out_dir, safe_serialization=True)`."
-            )
-
-
 def load_deepspec_checkpoint(
     path_or_repo: str,
     revision: str | None = None,
@@ -602,20 +577,7 @@ def _draft_from_weights(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     draft = DSparkDraftModel(config).to(dtype or stored_dtype)
-    expected = draft.state_dict()
-    wrong = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in weights.items() if k in expected}
-    wrong = {k: shapes for k, shapes in wrong.items() if shapes[0] != shapes[1]}
-    if wrong:
-        raise ValueError(
-            f"{fmt} checkpoint {source} does not match the draft its config describes: (stored, expected) shapes "
-            f"{wrong}."
-        )
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{fmt} checkpoint {source} does not match the draft architecture: missing {missing}, "
-            f"unexpected {unexpected}."
-        )
+    load_exact_weights(draft, weights, source, fmt)
     draft.eval()
     if vocab_ids is not None:
         draft.set_draft_vocab(vocab_ids)

@@ -10,7 +10,6 @@ import threading
 
 from .._threads import run_in_fresh_thread
 from ..decoding.engine import DSparkEngine
-from ..model.kernels import recommended_kernels
 from .app import ServeConfig, create_app
 from .limits import default_allowed_hosts
 
@@ -27,6 +26,8 @@ def load_app(
     config: ServeConfig | None = None,
     kernels: str | None = None,
     lookup=None,
+    cuda_graphs: bool | None = None,
+    compiled: bool | None = None,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -35,16 +36,18 @@ def load_app(
         draft (`str`, *optional*): draft folder, Hub id, shipped draft name or `"fresh"` (default: the shipped
             draft for the default target, else a fresh, untrained one), see `dspark_hf.default_model.load_draft`.
         policy (`str`, *optional*): verification policy (see [`resolve_policy`]); `"none"` serves without
-            speculation.
+            speculation. This and the other options (`kernels`, `lookup`, `cuda_graphs`, `compiled`) are the call
+            level of `dspark_hf.decoding.options.resolve_options`, which the engine calls: unset, the draft's own
+            defaults apply (its `generation_config.json`), then the library's, exactly as in `generate()`.
         max_batch_size (`int`, *optional*, defaults to 8): requests decoded together.
         dtype (`str` or `torch.dtype`, *optional*): weights' dtype (default fp32).
         device (`str`, *optional*): e.g. `"cuda"` (default: the CPU).
         config ([`ServeConfig`], *optional*): limits and identity; `model_name` defaults to the target's name.
         kernels (`str`, *optional*): the engine's kernel mode (`"stock"`, `"packed"`, `"exact"`, see
-            `dspark_hf.model.kernels`), with or without speculation. Defaults to
-            [`recommended_kernels`]: `"exact"` for a float32 target on the CPU, else `"stock"`.
-        lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]); defaults to the
-            draft's own setting (the shipped drafts: on).
+            `dspark_hf.kernels`), with or without speculation (library default: `default_kernels(target)`).
+        lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]).
+        cuda_graphs (`bool`, *optional*): the draft step as a CUDA graph (see [`DSparkEngine`]).
+        compiled (`bool`, *optional*): the drafting round as compiled calls where eligible (see [`DSparkEngine`]).
 
     Returns:
         `fastapi.FastAPI`
@@ -60,15 +63,16 @@ def load_app(
                 logger.warning(
                     "serving with a fresh, untrained draft: output is exact, but nearly every draft is rejected"
                 )
-        mode = kernels or recommended_kernels(target_model)
         return DSparkEngine(
             target_model,
             draft_model,
             tokenizer,
             policy=policy,
             max_batch_size=max_batch_size,
-            kernels=mode,
+            kernels=kernels,
             lookup=lookup,
+            cuda_graphs=cuda_graphs,
+            compiled=compiled,
         )
 
     # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
