@@ -26,9 +26,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments, TrainArguments, prepare_data, train
+from dspark_hf.train import DataArguments, ModelArguments, TrainArguments, train
 from dspark_hf.train.data import load_token_dataset
-from train_helpers import make_char_tokenizer, make_chat_target
+from train_helpers import make_char_tokenizer, make_chat_target, sampled_data
 
 GAMMA = 5
 
@@ -57,21 +57,14 @@ def _measured_tau(target, tok, draft, num_prompts: int) -> tuple[float, float, i
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("tau")
     target, tok = make_chat_target(), make_char_tokenizer()
-    path = prepare_data(
-        PrepareDataArguments(
-            output=str(root / "data.jsonl"),
-            max_new_tokens=120,
-            batch_size=16,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            device="cpu",
-            progress=False,
-            backend="engine",  # the data this test's tolerance was set on (the bulk backend: test_train_bulk.py)
-        ),
-        target=target,
-        tokenizer=tok,
-        prompts=[f"prompt number {i}" for i in range(48)],
+    path = sampled_data(
+        root / "data.jsonl",
+        target,
+        tok,
+        [f"prompt number {i}" for i in range(48)],
+        max_new_tokens=120,
+        batch_size=16,
+        backend="engine",  # the data this test's tolerance was set on (the bulk backend: test_train_bulk.py)
     )
     train_ds, eval_ds = load_token_dataset(path).split(0.25, seed=0)
     return root, target, tok, train_ds, eval_ds
