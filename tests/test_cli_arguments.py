@@ -36,6 +36,13 @@ def test_every_speculative_command_takes_the_same_flags_with_one_help(command):
         assert text.startswith(FLAGS[flag]), (command, flag)  # eval adds how several values name its methods
 
 
+def test_kernel_choices_are_the_kernel_modes():
+    from dspark_hf.kernels import KERNEL_MODES
+
+    kernels = next(f for f in fields(SpeculationArguments) if f.name == "kernels")
+    assert tuple(kernels.metadata["choices"]) == tuple(KERNEL_MODES)
+
+
 def test_prepare_data_kernels_reads_as_the_others():
     assert _helps(_subparser("prepare-data"))["--kernels"] == FLAGS["--kernels"]
     assert _subparser("prepare-data").parse_args(["--kernels", "exact"]).kernels == "exact"

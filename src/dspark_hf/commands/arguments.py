@@ -79,6 +79,7 @@ class SpeculationArguments:
         default=None,
         metadata={"help": _COMPILED_HELP, "choices": ("auto", "on", "off"), "unset": "auto", "method": "compiled-{}"},
     )
+    # dspark_hf.kernels.KERNEL_MODES, spelled out so that building the parser imports no torch (tested equal)
     kernels: str | None = field(default=None, metadata={"help": _KERNELS_HELP, "choices": ("stock", "packed", "exact")})
 
     @classmethod
