@@ -24,9 +24,9 @@ SWITCH = {"on": True, "off": False}
 _POLICY_HELP = (
     "verification policy: fixed, fixed:N, adaptive[:N] (N drafts while that measurably pays), threshold:T "
     "(survival rule), confidence_threshold:T (DeepSpec's rule), hardware_aware[:BG], hardware_aware_lagged[:BG] "
-    "or hardware_aware_uniform[:BG]; 'none' (dspark serve) serves without speculation (default: the draft's "
-    "own, from its generation_config.json, else the library's: hardware_aware_uniform for a calibrated draft, "
-    "else fixed)"
+    "or hardware_aware_uniform[:BG]; 'none' (dspark serve) serves without speculation; 'default' is the same as "
+    "no flag (default: the draft's own, from its generation_config.json, else the library's: "
+    "hardware_aware_uniform for a calibrated draft, else fixed)"
 )
 _LOOKUP_HELP = (
     "prompt lookup before drafting: on (a recurring continuation of the context is copied and verified instead "
