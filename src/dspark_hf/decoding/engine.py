@@ -311,7 +311,8 @@ class DSparkEngine:
             raise ValueError(
                 "layout='packed' puts every row in one sequence, which the exact kernels treat as one long "
                 "sequence (a prefill, on stock kernels) once it passes EXACT_MAX_ROWS tokens; use layout='padded' "
-                "or 'auto' (the exact mode runs padded)."
+                "or 'auto' (the exact mode runs padded), or name other kernels (kernels='stock'): the exact ones are "
+                "the library's default for a float32 CPU target."
             )
         self.kernels = kernels
         self.cpu_packing = kernels == "packed"

@@ -181,8 +181,8 @@ def _kernel_mode(value, source: str, target) -> str:
     mode = _library_kernels(target) if value is None else value
     if mode not in KERNEL_MODES:
         raise ValueError(
-            f"dspark_kernels={mode!r} (set by {source}) is not a kernel mode; choose one of "
-            f"{', '.join(repr(m) for m in KERNEL_MODES)}, or leave it unset for the library's default."
+            f"dspark_kernels={mode!r} (set by {source}): kernels must be one of "
+            f"{', '.join(repr(m) for m in KERNEL_MODES)}, or unset for the library's default."
         )
     return mode
 
