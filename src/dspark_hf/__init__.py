@@ -17,6 +17,7 @@ from ._threads import run_in_fresh_thread
 from ._version import __version__
 from .decoding.engine import DSparkEngine, RequestOutput, SamplingParams
 from .decoding.generation import DSparkCandidateGenerator, install_generate_hook
+from .decoding.options import SpeculationOptions, resolve_options
 from .decoding.stats import GenerationStats, RoundStats
 from .model.configuration import DSparkConfig, default_target_layer_ids
 from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
@@ -65,6 +66,7 @@ __all__ = [
     "RequestOutput",
     "RoundStats",
     "SamplingParams",
+    "SpeculationOptions",
     "ThresholdPolicy",
     "ConfidenceThresholdPolicy",
     "UniformHardwareAwarePolicy",
@@ -81,6 +83,7 @@ __all__ = [
     "load_speculators_checkpoint",
     "pack_linear_weights",
     "packed_linears",
+    "resolve_options",
     "resolve_policy",
     "run_in_fresh_thread",
     "set_cpu_packing",
