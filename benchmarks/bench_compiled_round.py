@@ -35,7 +35,7 @@ def time_pieces(target, draft) -> dict:
     from dspark_hf.decoding.caches import KVStore
     from dspark_hf.decoding.compiled import CompiledRound
     from dspark_hf.decoding.drafting import SequenceSampler, draft_block, ingest, sample_block
-    from dspark_hf.model.kernels import use_kernels
+    from dspark_hf.kernels import use_kernels
 
     evict = torch.zeros(600_000_000 // 4)
     width = len(draft.config.target_layer_ids) * draft.config.hidden_size

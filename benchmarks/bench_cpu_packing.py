@@ -1,4 +1,4 @@
-"""What packed CPU linears (`dspark_hf.model.cpu_packing`) change: the verification cost curve and plain decoding.
+"""What packed CPU linears (`dspark_hf.kernels.packed`) change: the verification cost curve and plain decoding.
 
 Three measurements on the default target (SmolLM2-135M-Instruct, fp32), stock kernels vs packed weights,
 interleaved within every repeat so both see the same machine load; medians over repeats:
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark_hf.default_model import chat_inputs, load_default_target
-from dspark_hf.model import cpu_packing
-from dspark_hf.model.cpu_packing import packed_linears
+from dspark_hf.kernels import packed as cpu_packing
+from dspark_hf.kernels.packed import packed_linears
 
 PROMPTS = ["Explain why the sky is blue.", "Write a Python function that reverses a string.", "What is 17 times 23?"]
 SHAPES = {"mlp_up 576→1536": (1536, 576), "mlp_down 1536→576": (576, 1536), "lm_head 576→49152": (49152, 576)}

@@ -43,7 +43,7 @@ from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.decoding.engine_batch import KVStore, ragged_target_forward
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.evaluation.harness import synchronize
-from dspark_hf.model.cpu_packing import cpu_packing_enabled, packed_linears
+from dspark_hf.kernels.packed import packed_linears
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import get_sps_profile
 
@@ -212,13 +212,11 @@ def main() -> None:
     parser.add_argument(
         "--cpu-packing",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="packed CPU linears in every mode, `none` included (default: off unless DSPARK_CPU_PACKING=1)",
+        default=False,
+        help="packed CPU linears in every mode, `none` included (default: off)",
     )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
-    if args.cpu_packing is None:
-        args.cpu_packing = cpu_packing_enabled()
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The exact linear kernel with and without its weight prefetch, on a SmolLM2-135M-shaped stack of cold weights.
 
-Builds `dspark_hf/model/exact_kernels.cpp` twice (`-DPREFETCH_TILES=0`, i.e. no prefetch, and the given
+Builds `dspark_hf/kernels/exact_kernels.cpp` (with `exact_stack.cpp`, as the package does) twice (`-DPREFETCH_TILES=0`, i.e. no prefetch, and the given
 distances), checks that every build gives bit-identical outputs, then times the 30 layers' linears plus the
 49,152-row LM head (about 540 MB of fp32 weights, far more than the CPU's caches, as in a real forward) at
 1, 4, 8 and 16 rows, next to stock `F.linear`; builds and row counts interleaved in every repeat, medians.
@@ -25,14 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from dspark_hf.model.kernels import _build_flags
+from dspark_hf.kernels.build import SOURCES, build_flags
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "dspark_hf" / "model" / "exact_kernels.cpp"
+KERNELS = Path(__file__).resolve().parents[1] / "src" / "dspark_hf" / "kernels"
 
 
 def build(distance: int | None, root: Path, source: str | None = None):
-    flags = [*_build_flags()] + ([] if distance is None else [f"-DPREFETCH_TILES={distance}"])
-    source = SOURCE.read_text() if source is None else source
+    flags = [*build_flags()] + ([] if distance is None else [f"-DPREFETCH_TILES={distance}"])
+    source = "".join((KERNELS / name).read_text() for name in SOURCES) if source is None else source
     name = "bench_exact_" + hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:10]
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The three kernel modes (`dspark_hf.model.kernels`) side by side on the default target: forward cost and exactness.
+"""The three kernel modes (`dspark_hf.kernels`) side by side on the default target: forward cost and exactness.
 
 SmolLM2-135M-Instruct, fp32. For each mode (`stock`, `packed`, `exact`) and each `B` in `--tokens`:
 
@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_default_target
-from dspark_hf.model.kernels import KERNEL_MODES, exact_kernels_backend, use_kernels
+from dspark_hf.kernels import KERNEL_MODES, exact_kernels_backend, use_kernels
 
 PROMPTS = ["Explain why the sky is blue.", "Write a Python function that reverses a string.", "What is 17 times 23?"]
 

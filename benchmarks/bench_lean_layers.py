@@ -2,7 +2,7 @@
 
 On the real default target (SmolLM2-135M-Instruct, fp32, offline), one forward over 1, 4 and 8 new tokens on a
 KV cache of a chat prompt: the exact mode as it runs by default (the base model's lean forward: all layers in
-one compiled call, `dspark_hf.model.kernels`), the exact mode with lean layers called one by one (the base
+one compiled call, `dspark_hf.kernels`), the exact mode with lean layers called one by one (the base
 model's own forward), the exact mode with the lean path switched off (transformers' own layer, attention and
 MLP modules, whose linears and attention still run on the exact kernels), then stock kernels for reference. The
 configurations and row counts are interleaved in every repeat; each figure is the median over repeats of the
@@ -24,7 +24,8 @@ from _report import write_report
 from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_default_target
-from dspark_hf.model import kernels
+from dspark_hf import kernels
+from dspark_hf.kernels import exact as swaps
 
 PROMPT = "Why is the sky blue? Explain in detail with physics."
 ROWS = (1, 4, 8)
@@ -32,11 +33,11 @@ CONFIGS = ("exact (layer stack)", "exact (lean layers)", "exact (transformers la
 
 
 def forward_ms(target, ids, rows: int, config: str, steps: int) -> float:
-    real, real_model = kernels._lean_eligible, kernels._lean_model_eligible
+    real, real_model = swaps.lean_eligible, swaps.lean_model_eligible
     if config == "exact (transformers layers)":
-        kernels._lean_eligible = lambda module: False
+        swaps.lean_eligible = lambda module: False
     if config != "exact (layer stack)":
-        kernels._lean_model_eligible = lambda module: False
+        swaps.lean_model_eligible = lambda module: False
     mode = "stock" if config == "stock" else "exact"
     try:
         with torch.inference_mode(), kernels.use_kernels(target, mode=mode):
@@ -55,7 +56,7 @@ def forward_ms(target, ids, rows: int, config: str, steps: int) -> float:
                 if i >= 2:  # two warm-up forwards
                     times.append(elapsed)
     finally:
-        kernels._lean_eligible, kernels._lean_model_eligible = real, real_model
+        swaps.lean_eligible, swaps.lean_model_eligible = real, real_model
     return statistics.median(times) * 1e3
 
 

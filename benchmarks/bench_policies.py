@@ -32,7 +32,7 @@ import torch
 
 import dspark_hf
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
-from dspark_hf.model.kernels import use_kernels
+from dspark_hf.kernels import use_kernels
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import get_sps_profile
 

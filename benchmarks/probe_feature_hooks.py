@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from dspark_hf._transformers import hidden_states_request, selected_hidden_states
 from dspark_hf.default_model import chat_inputs, load_default_target
-from dspark_hf.model import kernels
+from dspark_hf import kernels
 
 torch.set_num_threads(2)
 a, tok = load_default_target()

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_draft, load_target
 from dspark_hf.evaluation.prompt_sets import EVAL_SETS, load_prompt_set
-from dspark_hf.model.kernels import use_kernels
+from dspark_hf.kernels import use_kernels
 
 
 def _median_seconds(fn, n: int = 7) -> float:

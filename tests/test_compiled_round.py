@@ -15,7 +15,8 @@ import torch
 
 from dspark_hf.decoding import compiled as compiled_module
 from dspark_hf.decoding.compiled import CompiledRound
-from dspark_hf.model.kernels import exact_kernels, exact_kernels_backend, is_exact_norm
+from dspark_hf.kernels import exact_kernels_backend, is_exact_norm
+from dspark_hf.kernels.exact import exact_kernels
 
 from helpers import make_aligned_draft, make_target, randomize
 

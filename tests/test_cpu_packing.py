@@ -1,4 +1,4 @@
-"""Packed CPU linears (`dspark_hf.model.cpu_packing`): same function, used only where intended, always restored."""
+"""Packed CPU linears (`dspark_hf.kernels.packed`): same function, used only where intended, always restored."""
 
 from __future__ import annotations
 
@@ -8,28 +8,20 @@ from torch import nn
 from transformers import GenerationConfig
 
 import dspark_hf
-from dspark_hf.model import cpu_packing
-from dspark_hf.model.cpu_packing import (
+from dspark_hf.kernels import default_kernels, kernels_of, use_kernels
+from dspark_hf.kernels import packed as cpu_packing
+from dspark_hf.kernels.packed import (
     _bf16_packing_supported,
-    cpu_packing_enabled,
     is_packed,
     pack_linear_weights,
     packed_linears,
     packing_available,
-    set_cpu_packing,
     unpack_linear_weights,
 )
 
 from helpers import make_aligned_draft, make_target
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linears")
-
-
-@pytest.fixture(autouse=True)
-def _default_setting():
-    set_cpu_packing(None)
-    yield
-    set_cpu_packing(None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,19 +87,18 @@ def test_only_plain_cpu_float_linears_are_packed():
 
 def test_disabled_packs_nothing():
     layer = nn.Linear(4, 4)
-    set_cpu_packing(False)
-    assert not cpu_packing_enabled()
-    with packed_linears(layer) as changed:
+    with packed_linears(layer, enabled=False) as changed:
         assert changed == [] and not is_packed(layer)
 
 
-def test_off_by_default_and_environment_variable_enables(monkeypatch):
-    monkeypatch.delenv("DSPARK_CPU_PACKING", raising=False)
-    assert not cpu_packing_enabled()
-    monkeypatch.setenv("DSPARK_CPU_PACKING", "1")
-    assert cpu_packing_enabled()
-    monkeypatch.setenv("DSPARK_CPU_PACKING", "0")
-    assert not cpu_packing_enabled()
+def test_off_by_default_and_the_packed_mode_enables():
+    # packing is never the library's default (it is not batch-invariant); only naming the mode turns it on
+    target = make_target("llama", vocab_size=96, dtype=torch.float32)
+    assert default_kernels(target) != "packed"
+    assert kernels_of(target) == "stock"
+    with use_kernels(target, mode="packed"):
+        assert kernels_of(target) == "packed"
+    assert kernels_of(target) == "stock"
 
 
 def test_pack_and_unpack_persist_until_undone():
@@ -135,7 +126,6 @@ def _packed_calls(model):
 def test_speculative_generate_packs_and_is_exact_in_fp32():
     """fp32 target (packing applies): greedy speculative output equals plain greedy output on 12 prompts, the
     verification forwards ran packed, plain generate() did not, and nothing stays packed afterwards."""
-    set_cpu_packing(True)
     target = make_target("llama", vocab_size=96, markov=True, dtype=torch.float32)
     draft = make_aligned_draft(target, "markov").float()
     gen = torch.Generator().manual_seed(7)
@@ -144,11 +134,11 @@ def test_speculative_generate_packs_and_is_exact_in_fp32():
         taus = []
         for i in range(12):
             ids = torch.randint(0, 96, (1, 3 + 2 * i), generator=gen)
-            plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+            plain = target.generate(ids, max_new_tokens=24, do_sample=False, dspark_kernels="stock")
             assert counts["packed"] == 0, "plain generate() must not be changed"
             stock_calls = counts["stock"]
             config = GenerationConfig(do_sample=False, max_new_tokens=24, dspark_policy="fixed")
-            out = target.generate(ids, generation_config=config, assistant_model=draft)
+            out = target.generate(ids, generation_config=config, assistant_model=draft, dspark_kernels="packed")
             assert torch.equal(out, plain), f"prompt {i}: packed speculative output differs"
             assert counts["stock"] == stock_calls and counts["packed"] > 0
             counts["packed"] = 0
@@ -161,19 +151,19 @@ def test_speculative_generate_packs_and_is_exact_in_fp32():
 
 
 def test_engine_packs_in_its_steps():
-    set_cpu_packing(True)
     target = make_target("llama", vocab_size=96, markov=True, dtype=torch.float32)
     draft = make_aligned_draft(target, "markov").float()
     counts, handles = _packed_calls(target)
     try:
-        engine = dspark_hf.DSparkEngine(target, draft, policy="fixed", max_batch_size=4)
+        engine = dspark_hf.DSparkEngine(target, draft, policy="fixed", max_batch_size=4, kernels="packed")
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
         outs = engine.generate(prompts, dspark_hf.SamplingParams(max_new_tokens=12))
         assert counts["packed"] > 0 and counts["stock"] == 0
         for prompt, out in zip(prompts, outs):
-            plain = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+            ids = torch.tensor([prompt])
+            plain = target.generate(ids, max_new_tokens=12, do_sample=False, dspark_kernels="stock")
             assert out.token_ids == plain[0, len(prompt) :].tolist()
-        off = dspark_hf.DSparkEngine(target, draft, policy="fixed", max_batch_size=4, cpu_packing=False)
+        off = dspark_hf.DSparkEngine(target, draft, policy="fixed", max_batch_size=4, kernels="stock")
         counts["packed"] = 0
         off.generate(prompts[:1], dspark_hf.SamplingParams(max_new_tokens=4))
         assert counts["packed"] == 0

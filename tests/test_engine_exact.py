@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.model.kernels import EXACT_MAX_ROWS, is_lean, kernels_of
+from dspark_hf.kernels import EXACT_MAX_ROWS, is_lean, kernels_of
 
 from helpers import make_aligned_draft, make_target
 

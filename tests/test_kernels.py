@@ -1,4 +1,4 @@
-"""Kernel modes (`dspark_hf.model.kernels`): the exact mode's batch invariance, with negative controls.
+"""Kernel modes (`dspark_hf.kernels`): the exact mode's batch invariance, with negative controls.
 
 The verification shape: `k` new tokens forwarded at once on top of a KV cache must give, row by row, the very
 same logits (`torch.equal`) as the same tokens decoded one at a time on the same cache. The exact mode must
@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-import dspark_hf
-from dspark_hf.model import cpu_packing, kernels
-from dspark_hf.model.kernels import exact_linear, is_lean, kernels_of, use_kernels
+import dspark_hf._transformers as tf
+from dspark_hf.kernels import build, exact_linear, is_lean, kernels_of, lean_model, ops, packed, use_kernels
 
 from helpers import make_aligned_draft, make_target
 
@@ -120,14 +119,14 @@ def test_stock_kernels_fail_the_invariance_check(arch):
 
 def test_split_k_kernel_fails_the_invariance_check(monkeypatch):
     target = _target("llama")
-    monkeypatch.setattr(kernels, "exact_linear", _split_k_linear)
+    monkeypatch.setattr(ops, "exact_linear", _split_k_linear)
     with use_kernels(target, mode="exact"):
         counts = identical_rows(target, ks=(2, 8, 16))
     assert sum(counts.values()) < 13, counts
 
 
 def test_packed_kernels_are_not_batch_invariant():
-    if not cpu_packing.packing_available():
+    if not packed.packing_available():
         pytest.skip("this torch build has no oneDNN packed linears")
     target = _target("llama")
     with use_kernels(target, mode="packed"):
@@ -137,8 +136,8 @@ def test_packed_kernels_are_not_batch_invariant():
 
 
 def test_pytorch_fallback_is_batch_invariant(monkeypatch):
-    monkeypatch.setattr(kernels, "_BACKEND", False)  # as when no compiler is available
-    assert kernels.exact_kernels_backend() == "torch"
+    monkeypatch.setattr(build, "_BACKEND", False)  # as when no compiler is available
+    assert build.exact_kernels_backend() == "torch"
     target = _target("qwen2")
     with use_kernels(target, mode="exact"):
         counts = identical_rows(target, ks=(2, 5, 16))
@@ -167,7 +166,7 @@ def test_exact_attention_matches_sdpa_and_respects_a_padding_mask():
     mask = causal.expand(batch, 1, q_len, kv_len).clone()
     mask[1, :, :, :3] = False  # the second sequence is left-padded by 3
     module = torch.nn.Module()
-    out, _ = kernels.exact_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
+    out, _ = ops.exact_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
     ref = F.scaled_dot_product_attention(
         q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask
     ).transpose(1, 2)
@@ -175,7 +174,7 @@ def test_exact_attention_matches_sdpa_and_respects_a_padding_mask():
     # each query row equals the one-query call over the keys it sees
     for i in range(q_len):
         seen = kv_len - q_len + i + 1
-        one, _ = kernels.exact_attention_forward(
+        one, _ = ops.exact_attention_forward(
             module, q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], mask[:, :, i : i + 1, :seen], scaling=dim**-0.5
         )
         assert torch.equal(one[:, 0], out[:, i])
@@ -196,25 +195,35 @@ def test_speculative_greedy_is_token_identical_to_plain_decoding_in_exact_mode(a
     assert kernels_of(target) == "stock"
 
 
-def test_set_kernels_applies_to_plain_generate_and_bad_modes_are_refused(monkeypatch):
+def test_the_call_mode_applies_to_plain_generate_and_bad_modes_are_refused(monkeypatch):
     target = _target("llama")
     seen = []
-    original = kernels.exact_linear
-    monkeypatch.setattr(kernels, "exact_linear", lambda *a, **k: seen.append(1) or original(*a, **k))
+    original = ops.exact_linear
+    monkeypatch.setattr(ops, "exact_linear", lambda *a, **k: seen.append(1) or original(*a, **k))
     prompt = torch.tensor([[1, 2, 3]])
-    dspark_hf.set_kernels("exact")
-    try:
-        target.generate(prompt, max_new_tokens=2, do_sample=False)
-    finally:
-        dspark_hf.set_kernels(None)
+    target.generate(prompt, max_new_tokens=2, do_sample=False, dspark_kernels="exact")
     assert seen  # plain generate() ran on the exact kernels
     seen.clear()
-    target.generate(prompt, max_new_tokens=2, do_sample=False)
-    assert not seen  # and on the stock ones again once the mode was reset
+    target.generate(prompt, max_new_tokens=2, do_sample=False, dspark_kernels="stock")
+    assert not seen  # and on the stock ones again: the mode lasts one call, nothing process-wide is left set
+    assert kernels_of(target) == "stock"
     with pytest.raises(ValueError, match="Unknown kernel mode 'fast'.*'stock', 'packed', 'exact'"):
+        with use_kernels(target, mode="fast"):
+            pass
+    with pytest.raises(ValueError, match="fast"):
         target.generate(prompt, max_new_tokens=2, dspark_kernels="fast")
-    with pytest.raises(ValueError, match="Unknown kernel mode"):
-        dspark_hf.set_kernels("fast")
+
+
+def test_the_library_default_is_exact_for_a_float32_cpu_target_of_a_supported_family():
+    from dspark_hf.kernels import default_kernels
+
+    assert default_kernels(_target("llama")) == "exact"
+    assert default_kernels(_target("qwen3")) == "exact"
+    assert default_kernels(_target("llama").to(torch.bfloat16)) == "stock"  # the exact kernels are float32 ones
+    assert default_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4))) == "stock"  # no supported decoder layer
+    import dspark_hf
+
+    assert not hasattr(dspark_hf, "set_kernels") and not hasattr(dspark_hf, "set_cpu_packing")  # one door only
 
 
 @pytest.mark.real_model
@@ -232,7 +241,7 @@ def test_real_default_model_exact_mode_is_batch_invariant_and_stock_is_not():
 def test_a_wrong_rotation_in_the_lean_layers_is_caught(monkeypatch):
     # negative control for the test above: rotary embedding by the opposite angle (sin negated) is still batch
     # invariant, but must not pass as what the stock layers compute
-    real = kernels._backend()
+    real = build.backend()
     if real is None:
         pytest.skip("the compiled kernels are not available (the lean layer path needs them)")
 
@@ -245,7 +254,7 @@ def test_a_wrong_rotation_in_the_lean_layers_is_caught(monkeypatch):
             args[13] = -args[13]  # sin
             return real.attn_in(x, *args)
 
-    monkeypatch.setattr(kernels, "_BACKEND", WrongRotation())
+    monkeypatch.setattr(build, "_BACKEND", WrongRotation())
     with pytest.raises(AssertionError):
         test_exact_mode_computes_what_the_stock_layers_compute("llama")
 
@@ -267,24 +276,24 @@ def test_lean_layers_survive_transformers_output_capturing_hooks():
 
 def test_the_drafts_functional_linears_follow_its_kernel_mode(monkeypatch):
     """The draft's subset LM head and Markov projection are functional linears: in the exact mode they run on
-    the exact kernel (its 2-16-row speed), outside it on F.linear; the mode's flags go when the block ends."""
+    the exact kernel (its 2-16-row speed), outside it on F.linear; the mode's swaps go when the block ends."""
     target = make_target("llama", markov=True, dtype=torch.float32)
     draft = make_aligned_draft(target, block_size=5)
     draft.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
     hidden = torch.randn(1, 5, target.config.hidden_size)
     calls = []
-    real = kernels.exact_linear
+    real = ops.exact_linear
 
     def counting(x, weight, bias=None):
         calls.append(tuple(weight.shape))
         return real(x, weight, bias)
 
-    monkeypatch.setattr(kernels, "exact_linear", counting)
+    monkeypatch.setattr(ops, "exact_linear", counting)
     with torch.no_grad():
         stock = draft.draft_logits(hidden)
         assert calls == []
         with use_kernels(target, draft, mode="exact"):
-            with use_kernels(draft, mode="exact"):  # nested: the inner block leaves the outer one's flags alone
+            with use_kernels(draft, mode="exact"):  # nested: the inner block leaves the outer one's swaps alone
                 pass
             exact = draft.draft_logits(hidden)
             projected = draft.markov_head.project(torch.randn(5, draft.markov_head.rank), draft.draft_vocab_ids)
@@ -293,7 +302,7 @@ def test_the_drafts_functional_linears_follow_its_kernel_mode(monkeypatch):
         torch.testing.assert_close(exact, stock, rtol=1e-5, atol=1e-5)  # same product, another summation order
         draft.draft_logits(hidden)
     assert len(calls) == 2  # back on F.linear
-    assert not any(kernels._EXACT_FLAG in m.__dict__ for m in (*draft.modules(), *target.modules()))
+    assert not any("functional_linear" in m.__dict__ for m in (*draft.modules(), *target.modules()))
 
 
 def _decode_sequence(target, prompt, new, hooked=()):
@@ -335,7 +344,7 @@ def test_the_lean_layers_grow_the_cache_in_place_and_hold_what_concatenation_hol
     prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 12), generator=gen)
     grown, grown_kv, pointers, _ = _decode_sequence(target, prompt, new)
     assert len(pointers) == 1  # one buffer per layer, written in place after the prefill
-    monkeypatch.setattr(kernels, "_kv_room", lambda *args: None)  # every layer through the cache's own update
+    monkeypatch.setattr(tf, "dynamic_layer_room", lambda *args: None)  # every layer through the cache's own update
     concatenated, concatenated_kv, cat_pointers, _ = _decode_sequence(target, prompt, new)
     assert len(cat_pointers) > 1  # the control really concatenated (a new tensor every forward)
     assert _same(grown, concatenated) and _same(grown_kv, concatenated_kv)
@@ -350,7 +359,7 @@ def test_the_layer_stack_runs_all_layers_in_one_call_and_matches_the_layer_by_la
     target = _target(arch)
     gen = torch.Generator().manual_seed(6)
     prompt, new = torch.randint(0, 512, (1, CONTEXT), generator=gen), torch.randint(0, 512, (1, 12), generator=gen)
-    real, calls = kernels._backend(), []
+    real, calls = build.backend(), []
 
     class Counting:
         def __getattr__(self, name):
@@ -360,14 +369,14 @@ def test_the_layer_stack_runs_all_layers_in_one_call_and_matches_the_layer_by_la
             calls.append(args[6])  # the tokens per sequence of that forward
             return real.stack_run(*args)
 
-    monkeypatch.setattr(kernels, "_BACKEND", Counting())
+    monkeypatch.setattr(build, "_BACKEND", Counting())
     with use_kernels(target, mode="exact"):
-        assert kernels.is_lean_model(target.model)
-    assert not kernels.is_lean_model(target.model) and kernels._LEAN_STACK not in target.model.__dict__
+        assert lean_model.is_lean_model(target.model)
+    assert not lean_model.is_lean_model(target.model) and lean_model._LEAN_STACK not in target.model.__dict__
     stacked = _decode_sequence(target, prompt, new, hooked=(0,))
     assert calls == [1, 1, 1, 5, 4]  # every forward after the prefill (which fills the cache) was one call
     calls.clear()
-    monkeypatch.setattr(kernels, "_run_stack", lambda *args: None)
+    monkeypatch.setattr(lean_model, "_run_stack", lambda *args: None)
     layered = _decode_sequence(target, prompt, new, hooked=(0,))
     assert calls == []
     assert all(r is not None for r in stacked[3])
@@ -413,7 +422,7 @@ def test_the_drafts_layers_run_the_compiled_layer_calls_and_match_their_pytorch_
         lean = backbone()
     assert not any(is_lean(layer) for layer in draft.layers)
     torch.testing.assert_close(lean, reference, rtol=1e-4, atol=1e-4)
-    real = kernels._backend()
+    real = build.backend()
 
     class WrongRotation:
         def __getattr__(self, name):
@@ -424,10 +433,10 @@ def test_the_drafts_layers_run_the_compiled_layer_calls_and_match_their_pytorch_
             args[13] = -args[13]  # sin
             return real.attn_in(x, *args)
 
-    kernels._BACKEND = WrongRotation()
+    build._BACKEND = WrongRotation()
     try:
         with use_kernels(target, draft, mode="exact"):
             wrong = backbone()
     finally:
-        kernels._BACKEND = real
+        build._BACKEND = real
     assert not torch.allclose(wrong, reference, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,9 @@ function-level import that hides an upward arrow is still an upward arrow). The 
     _version, _paths, _threads,
     _transformers,                    helpers that import nothing of ours
     extras
-    model/                            the draft model, its formats and Hub helpers, CPU packing
+    model/                            the draft model, its formats and Hub helpers
+    kernels/                          the target's CPU backend (kernel modes, exact kernels, packing): it swaps
+                                      the draft's layers too, so it sits above model/
     scheduling/, default_model        policies/SPS/calibration; the offline default target and shipped drafts
     decoding/                         the draft round, the generate() adapter, the engine
     train/, evaluation/               on top of the model and decoding
@@ -31,16 +33,17 @@ STAGE = {
     "_transformers": 0,
     "extras": 0,
     "model": 1,
-    "scheduling": 2,
-    "default_model": 2,
-    "decoding": 3,
-    "train": 4,
-    "evaluation": 4,
-    "demo": 5,
-    "serve": 5,  # the HTTP server: an app on the engine, like the demo
-    "": 6,  # dspark_hf/__init__.py: the public API imports every stage below it
-    "commands": 7,  # `dspark ...` subcommands may use the public API
-    "cli": 8,  # the entry point, on top of its subcommands
+    "kernels": 2,  # the target's CPU backend; it recognises the draft's layers by type, so it sits above model/
+    "scheduling": 3,
+    "default_model": 3,
+    "decoding": 4,
+    "train": 5,
+    "evaluation": 5,
+    "demo": 6,
+    "serve": 6,  # the HTTP server: an app on the engine, like the demo
+    "": 7,  # dspark_hf/__init__.py: the public API imports every stage below it
+    "commands": 8,  # `dspark ...` subcommands may use the public API
+    "cli": 9,  # the entry point, on top of its subcommands
 }
 
 
@@ -163,6 +166,7 @@ def test_every_unit_has_a_stage():
     [
         (("dspark_hf.model.modeling", "dspark_hf.default_model"), "upward"),  # model reaching into an app helper
         (("dspark_hf.scheduling.sps", "dspark_hf.decoding.engine"), "upward"),
+        (("dspark_hf.model.modeling", "dspark_hf.kernels.ops"), "upward"),  # the draft's math reaching the kernels
         (("dspark_hf.model.formats", "dspark_hf.model.modeling"), "cycle"),  # the old modeling <-> convert tie
     ],
 )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark_hf import cli
-from dspark_hf.model.kernels import exact_kernels_build
+from dspark_hf.kernels import exact_kernels_build
 from dspark_hf.scheduling import sps
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, ScheduleContext, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile, get_sps_profile, monotone_fit, profile_sps, stale_reason

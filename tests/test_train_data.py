@@ -323,7 +323,7 @@ def test_import_dspark_hf_does_not_import_the_train_package():
 def test_prepare_data_kernels_option(tmp_path, monkeypatch):
     """`kernels` picks what the engine decodes on (default: exact for a float32 CPU target); a bad name is refused."""
     from dspark_hf.decoding import engine as engine_mod
-    from dspark_hf.model.kernels import recommended_kernels
+    from dspark_hf.kernels import default_kernels
 
     seen = []
     original = engine_mod.DSparkEngine.__init__
@@ -333,9 +333,8 @@ def test_prepare_data_kernels_option(tmp_path, monkeypatch):
         original(self, *a, **kw)
 
     monkeypatch.setattr(engine_mod.DSparkEngine, "__init__", spy)
-    monkeypatch.delenv("DSPARK_KERNELS", raising=False)
     tok, target = make_char_tokenizer(), make_chat_target()
-    assert recommended_kernels(target) == "exact"
+    assert default_kernels(target) == "exact"
     for kernels in (None, "stock"):
         args = _prep_args(tmp_path, output=str(tmp_path / f"{kernels}.jsonl"), kernels=kernels, backend="engine")
         rows = [json.loads(line) for line in open(prepare_data(args, target=target, tokenizer=tok))]

@@ -112,3 +112,106 @@ def test_speculative_generate_records_features_without_transformers_capturing_ho
     # and the call's own hooks are gone
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
     assert not hasattr(draft, "_call_recorder")  # the call's hooks were never parked on the draft
+
+
+# ------------------------------------------------------------------ the exact CPU kernels' helpers (dspark_hf.kernels)
+def test_attention_implementation_and_backend_support():
+    target = make_target("llama", num_layers=1)
+    assert api.attn_implementation(target) == api.attn_implementation(target.config) == "sdpa"
+    assert api.supports_attention_backend(target)
+    assert not api.supports_attention_backend(torch.nn.Linear(2, 2))  # a DSpark draft calls its own attention
+
+
+def test_registered_attention_is_used_and_sdpa_is_reachable():
+    from transformers import AttentionInterface
+
+    calls = []
+
+    def counting(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        calls.append(query.shape)
+        return api.sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+    api.register_attention("dspark_contract_test", counting)
+    api.register_attention("dspark_contract_test", counting)  # a second registration is a no-op
+    assert "dspark_contract_test" in AttentionInterface._global_mapping
+    target = make_target("llama", num_layers=1)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        reference = target(ids).logits
+        target.set_attn_implementation("dspark_contract_test")
+        got = target(ids).logits
+    assert calls and api.attn_implementation(target) == "dspark_contract_test"
+    torch.testing.assert_close(got, reference)
+
+
+def test_output_collector_and_capturing_hooks():
+    target = make_target("llama", num_layers=2)
+    assert api.active_output_collector() is None  # outside any forward (not UNKNOWN_COLLECTOR: the name exists)
+    seen = []
+    hook = target.model.layers[0].register_forward_hook(lambda *a: seen.append(api.active_output_collector()))
+    with torch.no_grad():
+        target(torch.tensor([[1, 2]]), output_hidden_states=True)
+    hook.remove()
+    assert seen and seen[0] is not None  # inside a capturing forward: the collector is visible
+    attention = target.model.layers[0].self_attn
+    assert any(api.is_output_capturing_hook(h) for h in api.forward_hooks(attention))
+    assert not api.is_output_capturing_hook(lambda *a: None)
+
+
+def test_module_hook_queries():
+    layer = torch.nn.Linear(2, 2)
+    assert api.forward_hooks(layer) == [] and not api.has_forward_pre_hooks(layer)
+    handles = [layer.register_forward_hook(lambda *a: None), layer.register_forward_pre_hook(lambda *a: None)]
+    assert len(api.forward_hooks(layer)) == 1 and api.has_forward_pre_hooks(layer)
+    assert not api.global_module_hooks()
+    handles.append(torch.nn.modules.module.register_module_forward_hook(lambda *a: None))
+    assert api.global_module_hooks()
+    for handle in handles:
+        handle.remove()
+    assert not api.global_module_hooks()
+
+
+def test_lean_layer_and_model_types_are_the_families_classes():
+    for arch in ("llama", "qwen2", "qwen3"):
+        target = make_target(arch, num_layers=1)
+        layer = target.model.layers[0]
+        attention_type, norm_type = api.lean_layer_types()[type(layer)]
+        assert type(layer.self_attn) is attention_type and type(layer.input_layernorm) is norm_type
+        assert type(target.model) in api.lean_model_types()
+        assert api.takes_mask_dict(target.model) == (arch != "llama")
+
+
+def test_base_model_output_cache_and_causal_mask():
+    target = make_target("llama", num_layers=1)
+    assert api.base_output_has_cache()
+    cache = api.new_dynamic_cache(target.config)
+    assert cache.get_seq_length() == 0
+    hidden = torch.randn(1, 3, target.config.hidden_size)
+    out = api.base_model_output(hidden, cache)
+    assert out.last_hidden_state is hidden and out.cache is cache
+    mask = api.causal_mask(target.config, hidden, None, cache, torch.arange(3)[None])
+    assert mask is None or tuple(mask.shape[-2:]) == (3, 3)
+
+
+def test_dynamic_layer_grows_in_place_and_holds_what_concatenation_holds():
+    from transformers import DynamicCache
+
+    grown, concatenated = DynamicCache(), DynamicCache()
+    pointers = set()
+    for step, new in enumerate((4, 1, 1, 3)):
+        keys, values = torch.randn(1, 2, new, 8), torch.randn(1, 2, new, 8)
+        concatenated.update(keys, values, 0)
+        if step == 0:
+            grown.update(keys, values, 0)  # a layer must be filled before it can grow in place
+            continue
+        k, v = api.grow_dynamic_layer(grown, 0, keys, values, {})
+        pointers.add(k.data_ptr())
+        assert torch.equal(k, concatenated.layers[0].keys) and torch.equal(v, concatenated.layers[0].values)
+    assert len(pointers) == 1  # one buffer, written in place
+    room = api.dynamic_layer_room(grown, 0, 1, 2, 1, 8, torch.float32)
+    assert room is not None and room[3] == 9
+    assert api.dynamic_layer_room(grown, 0, 1, 3, 1, 8, torch.float32) is None  # other shapes: the cache's update
+    assert api.dynamic_layer_room(grown, 5, 1, 2, 1, 8, torch.float32) is None  # no such layer
+    layer, keys_buffer, values_buffer, n = room
+    api.hold_dynamic_layer(layer, keys_buffer, values_buffer, keys_buffer[:, :, :n], values_buffer[:, :, :n])
+    assert grown.get_seq_length() == 9

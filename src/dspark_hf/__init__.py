@@ -19,18 +19,17 @@ from .decoding.engine import DSparkEngine, RequestOutput, SamplingParams
 from .decoding.generation import DSparkCandidateGenerator, install_generate_hook
 from .decoding.options import SpeculationOptions, resolve_options
 from .decoding.stats import GenerationStats, RoundStats
-from .model.configuration import DSparkConfig, default_target_layer_ids
-from .model.cpu_packing import pack_linear_weights, packed_linears, set_cpu_packing, unpack_linear_weights
-from .model.formats import export_deepspec
-from .model.kernels import (
+from .kernels import (
     KERNEL_MODES,
     build_exact_kernels,
-    exact_kernels,
+    default_kernels,
     kernels_of,
-    recommended_kernels,
-    set_kernels,
+    pack_linear_weights,
+    unpack_linear_weights,
     use_kernels,
 )
+from .model.configuration import DSparkConfig, default_target_layer_ids
+from .model.formats import export_deepspec
 from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
 from .model.speculators_format import export_speculators
 from .scheduling.policies import (
@@ -72,8 +71,8 @@ __all__ = [
     "UniformHardwareAwarePolicy",
     "VerificationPolicy",
     "build_exact_kernels",
+    "default_kernels",
     "default_target_layer_ids",
-    "exact_kernels",
     "export_deepspec",
     "export_speculators",
     "get_sps_profile",
@@ -82,13 +81,9 @@ __all__ = [
     "load_deepspec_checkpoint",
     "load_speculators_checkpoint",
     "pack_linear_weights",
-    "packed_linears",
     "resolve_options",
     "resolve_policy",
     "run_in_fresh_thread",
-    "set_cpu_packing",
-    "recommended_kernels",
-    "set_kernels",
     "unpack_linear_weights",
     "use_kernels",
     "__version__",

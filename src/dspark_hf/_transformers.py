@@ -14,7 +14,10 @@ _get_candidate_generator` with its signature guard, and the thin `generate` wrap
 * a `DynamicCache` built around existing tensors without copying them (its layers' `keys`/`values`), and a
   cache whose layers write into the engine's preallocated slots in place (`DynamicLayer.update`'s contract);
 * dropping a model's quantizer after dequantising it (`hf_quantizer`);
-* a config's provenance (`name_or_path`, `_commit_hash`).
+* a config's provenance (`name_or_path`, `_commit_hash`);
+* the target's CPU kernels (`dspark_hf.kernels`), in their own section: the attention implementation and its
+  registry, transformers' output collector and capturing hooks, torch's module hooks, the Llama/Qwen2/Qwen3 layer and
+  model classes, the causal mask and base-model output, and growing a `DynamicLayer` in place.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def decoder_layers(model) -> Any:
 
 
 #: An attribute a forward hook may carry to say that it only reads the layer's output (and returns `None`); the
-#: exact mode's one-call layer stack (`dspark_hf.model.kernels`) then hands it the output instead of stepping aside.
+#: exact mode's one-call layer stack (`dspark_hf.kernels.lean_model`) then hands it the output instead of stepping aside.
 OUTPUT_ONLY_HOOK = "_dspark_output_only"
 
 
@@ -363,3 +366,207 @@ def hook_generate(wrapper) -> None:
 
     generate._dspark_original = original
     GenerationMixin.generate = generate
+
+
+# ------------------------------------------------------------------------ the target's CPU kernels (dspark_hf.kernels)
+# The exact kernel mode swaps the forwards of transformers' Llama-family layers and base models for compiled calls.
+# Everything it needs to know about transformers' (and torch's module-hook) internals is asked here, one helper per
+# question, each pinned by `tests/test_transformers_api.py`.
+
+#: What [`active_output_collector`] returns on a release that keeps its output collector elsewhere.
+UNKNOWN_COLLECTOR = "unknown"
+
+
+def attn_implementation(model_or_config) -> str | None:
+    """The attention implementation a model (or config) runs: `"sdpa"`, `"eager"`, a registered name, or `None`."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "_attn_implementation", None)
+
+
+def supports_attention_backend(model) -> bool:
+    """Whether `model` routes its attention through transformers' `AttentionInterface`, so that
+    `set_attn_implementation` can switch it to a registered function (a DSpark draft calls its own attention)."""
+    return bool(getattr(model, "_supports_attention_backend", False)) and hasattr(model, "set_attn_implementation")
+
+
+def register_attention(name: str, function) -> None:
+    """Register `function` as attention implementation `name` (once), with the boolean SDPA-style mask maker."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if name in AttentionInterface._global_mapping:
+        return
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)  # boolean masks (or None: plain causal)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """transformers' own SDPA attention function (the stock path an attention implementation can step aside to)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def active_output_collector():
+    """transformers' output collector of the forward running now (`None` outside any output capture), or
+    [`UNKNOWN_COLLECTOR`] on a release that keeps it elsewhere (callers then treat every forward as capturing)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return UNKNOWN_COLLECTOR
+    return _active_collector.get()
+
+
+def is_output_capturing_hook(hook) -> bool:
+    """Whether a forward hook is transformers' own output-capturing hook (installed for good on the first
+    `output_hidden_states=True` or `output_attentions=True` call; on an attention module it only records attention
+    weights)."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def forward_hooks(module) -> list:
+    """The forward hooks registered on one module (torch keeps them in a private dict)."""
+    return list(module._forward_hooks.values())
+
+
+def has_forward_pre_hooks(module) -> bool:
+    """Whether one module has forward pre-hooks."""
+    return bool(module._forward_pre_hooks)
+
+
+def global_module_hooks() -> bool:
+    """Whether torch has global forward (pre-)hooks, which run around every module call."""
+    import torch
+
+    return bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+
+
+@functools.cache
+def lean_layer_types() -> dict[type, tuple[type, type]]:
+    """transformers' decoder layers whose forward is pre-norm attention + SwiGLU MLP with RMSNorm (Qwen3 adds a
+    per-head RMSNorm on queries and keys): layer class → (its attention class, its RMSNorm class)."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+    return {
+        llama.LlamaDecoderLayer: (llama.LlamaAttention, llama.LlamaRMSNorm),
+        qwen2.Qwen2DecoderLayer: (qwen2.Qwen2Attention, qwen2.Qwen2RMSNorm),
+        qwen3.Qwen3DecoderLayer: (qwen3.Qwen3Attention, qwen3.Qwen3RMSNorm),
+    }
+
+
+@functools.cache
+def lean_model_types() -> tuple[type, ...]:
+    """The base models (`LlamaModel`, `Qwen2Model`, `Qwen3Model`) whose forward the exact mode reproduces."""
+    from transformers import LlamaModel, Qwen2Model, Qwen3Model
+
+    return (LlamaModel, Qwen2Model, Qwen3Model)
+
+
+def takes_mask_dict(model) -> bool:
+    """Whether `model`'s forward takes an attention-mask dict prepared by its caller (`Qwen2Model`/`Qwen3Model`,
+    which have sliding-window variants; `LlamaModel` builds its mask itself)."""
+    from transformers import LlamaModel
+
+    return type(model) is not LlamaModel
+
+
+def base_output_has_cache() -> bool:
+    """Whether a base model's output (`BaseModelOutputWithPast`) names its cache field `cache`."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" in BaseModelOutputWithPast.__dataclass_fields__
+
+
+def base_model_output(last_hidden_state, cache):
+    """A base model's output (`BaseModelOutputWithPast`) with only the last hidden state and the cache."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return BaseModelOutputWithPast(last_hidden_state=last_hidden_state, cache=cache)
+
+
+def new_dynamic_cache(config):
+    """An empty `DynamicCache` for a model of `config`."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def causal_mask(config, inputs_embeds, attention_mask, cache, position_ids):
+    """transformers' causal mask for a forward (`None` where the attention implementation needs none)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=cache,
+        position_ids=position_ids,
+    )
+
+
+# A `DynamicLayer` appends by `torch.cat`, copying the layer's whole cache on every forward. The helpers below let the
+# exact mode write only the new positions into buffers with room to grow (capacity doubling) and make the layer's
+# `keys`/`values` views of them: what the layer holds, and what attention reads, stays the same.
+_KV_BUFFERS = "_dspark_kv_buffers"  # on a DynamicLayer: (keys buffer, values buffer, keys view, values view)
+
+
+def dynamic_layer_room(cache, index: int, batch: int, heads: int, new: int, dim: int, dtype):
+    """`(layer, keys buffer, values buffer, n)` for appending `new` positions to layer `index` of `cache` in place
+    at position `n` (its current length), or `None` when the cache must update the layer itself: another cache or
+    layer type (the engine's slot caches, sliding windows, offloading), a layer not filled yet, other shapes. A
+    layer whose tensors were replaced since the last write (a crop, a beam reorder) gets a fresh buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or index >= len(layers) or getattr(cache, "offloading", False):
+        return None
+    layer = layers[index]
+    if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys.dim() != 4:
+        return None
+    held_k, held_v, n = layer.keys, layer.values, layer.keys.shape[2]
+    buffers = layer.__dict__.get(_KV_BUFFERS)
+    if buffers is not None and held_k is buffers[2] and held_v is buffers[3]:
+        fits = True  # the very views set last time: only room and shape to check
+    else:
+        fits = (
+            buffers is not None
+            and (held_k.data_ptr(), held_v.data_ptr()) == (buffers[0].data_ptr(), buffers[1].data_ptr())
+            and (held_k.stride(), held_v.stride()) == (buffers[0].stride(), buffers[1].stride())
+        )
+    if fits and n + new <= buffers[0].shape[2] and buffers[0].shape[0] == batch:
+        if (buffers[0].shape[1], buffers[0].shape[3], buffers[0].dtype) == (heads, dim, dtype):
+            return layer, buffers[0], buffers[1], n
+    if n and (held_k.shape != (batch, heads, n, dim) or held_v.shape != held_k.shape or held_k.dtype != dtype):
+        return None
+    capacity = max(256, 2 * (n + new))
+    keys_buffer = held_k.new_empty(batch, heads, capacity, dim, dtype=dtype)
+    values_buffer = held_k.new_empty(batch, heads, capacity, dim, dtype=dtype)
+    if n:
+        keys_buffer.narrow(2, 0, n).copy_(held_k)
+        values_buffer.narrow(2, 0, n).copy_(held_v)
+    return layer, keys_buffer, values_buffer, n
+
+
+def hold_dynamic_layer(layer, keys_buffer, values_buffer, keys, values) -> None:
+    """Make `keys`/`values` (views of the buffers' first positions) the `DynamicLayer`'s cache."""
+    layer.keys, layer.values = keys, values
+    layer.__dict__[_KV_BUFFERS] = (keys_buffer, values_buffer, keys, values)
+
+
+def grow_dynamic_layer(cache, index: int, keys, values, kwargs: dict):
+    """`cache.update(keys, values, index)` for a plain `DynamicLayer`, without its concatenation: the new
+    positions are written into the layer's buffers ([`dynamic_layer_room`]); any other layer goes through the
+    cache's own `update`. Returns the keys and values to attend over, as `update` does."""
+    batch, heads, new, dim = keys.shape
+    room = dynamic_layer_room(cache, index, batch, heads, new, dim, keys.dtype) if values.shape == keys.shape else None
+    if room is None:
+        return cache.update(keys, values, index, kwargs=kwargs)
+    layer, keys_buffer, values_buffer, n = room
+    keys_buffer.narrow(2, n, new).copy_(keys)
+    values_buffer.narrow(2, n, new).copy_(values)
+    hold_dynamic_layer(
+        layer, keys_buffer, values_buffer, keys_buffer.narrow(2, 0, n + new), values_buffer.narrow(2, 0, n + new)
+    )
+    return layer.keys, layer.values

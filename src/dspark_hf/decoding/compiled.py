@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from ..model.heads import ConfidenceHead, MarkovHead
-from ..model.kernels import _LEAN_ARGS, _backend, is_exact, is_exact_norm, is_lean
+from .._transformers import forward_hooks, has_forward_pre_hooks
+from ..kernels import is_exact, is_exact_norm, is_lean, lean_arguments
+from ..kernels.build import backend as exact_backend
 from .caches import KVStore
 
 
@@ -57,7 +59,7 @@ class CompiledRound:
         self.norm = (draft.norm.weight.detach(), draft.norm.eps)
         handle = 0
         for layer in draft.layers:
-            norm_etc, head_counts, post_attention = layer.__dict__[_LEAN_ARGS]
+            norm_etc, head_counts, post_attention = lean_arguments(layer)
             handle = backend.stack_add_layer(handle, *norm_etc, *head_counts, *post_attention)
         self.handle = handle
         weakref.finalize(self, _free_stack, backend, handle)
@@ -78,7 +80,7 @@ class CompiledRound:
     @classmethod
     def create(cls, draft, max_tokens: int) -> CompiledRound | None:
         """The compiled round for `draft` (bound, inside `exact_kernels`), or `None` where it does not apply."""
-        backend = _backend()
+        backend = exact_backend()
         if backend is None or not eligible(draft):
             return None
         return cls(draft, backend, max_tokens)
@@ -181,12 +183,12 @@ def eligible(draft) -> bool:
         and draft.device.type == "cpu"
         and draft.dtype == torch.float32
         and len(draft.layers) > 0
-        and all(is_lean(layer) and _LEAN_ARGS in layer.__dict__ for layer in draft.layers)
+        and all(is_lean(layer) and lean_arguments(layer) is not None for layer in draft.layers)
         and is_exact_norm(draft.hidden_norm)
         and is_exact_norm(draft.norm)
         and is_exact(draft.fc)
-        and not draft.fc._forward_hooks
-        and not draft.fc._forward_pre_hooks
+        and not forward_hooks(draft.fc)
+        and not has_forward_pre_hooks(draft.fc)
         and isinstance(embed, nn.Embedding)
         and embed.weight.dtype == torch.float32
         and type(head) is nn.Linear

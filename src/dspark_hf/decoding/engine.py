@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.kernels import build_exact_kernels, use_kernels
+from ..kernels import build_exact_kernels, use_kernels
 from ..scheduling.policies import ScheduleContext, uniform_length
 from . import draft_graphs
 from .caches import SlotKV, SlotRow
@@ -241,7 +241,7 @@ class DSparkEngine:
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
         kernels (`str`, *optional*): the CPU kernel mode of the target's (and draft's) forwards, with or
-            without speculation (see `dspark_hf.model.kernels`): `"stock"`, `"packed"` or `"exact"`. In
+            without speculation (see `dspark_hf.kernels`): `"stock"`, `"packed"` or `"exact"`. In
             `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
             same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (512) tokens (a

@@ -39,7 +39,7 @@ from .._transformers import (
     selected_hidden_states,
 )
 from ..model.compat import check_target_compatibility
-from ..model.kernels import use_kernels
+from ..kernels import use_kernels
 from ..model.modeling import DSparkDraftModel
 from ..scheduling.policies import ScheduleContext
 from .caches import KVStore

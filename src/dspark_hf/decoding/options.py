@@ -176,7 +176,7 @@ def _flag(name: str, value, source: str, default: bool) -> bool:
 
 
 def _kernel_mode(value, source: str, target) -> str:
-    from ..model.kernels import KERNEL_MODES
+    from ..kernels import KERNEL_MODES
 
     mode = _library_kernels(target) if value is None else value
     if mode not in KERNEL_MODES:
@@ -189,11 +189,6 @@ def _kernel_mode(value, source: str, target) -> str:
 
 def _library_kernels(target) -> str:
     """The library's one default kernel mode for `target` (`dspark_hf.kernels.default_kernels`)."""
-    try:
-        from ..kernels import default_kernels
-    except ImportError:
-        # until the kernels package of issue 48 exports it: the default generate() and the engine used so far
-        from ..model.kernels import default_kernels as legacy_default
+    from ..kernels import default_kernels
 
-        return legacy_default()
     return default_kernels(target)

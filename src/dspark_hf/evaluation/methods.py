@@ -5,7 +5,7 @@ from __future__ import annotations
 #: Plain `generate()` on the stock kernels: what a user of plain `generate()` gets; `speedup` is over it.
 PLAIN = "plain"
 PROMPT_LOOKUP = "prompt_lookup"
-#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.model.cpu_packing`); with
+#: Plain `generate()` with the target's linears on packed CPU weights (`dspark_hf.kernels.packed`); with
 #: `kernels="packed"` it is the same-kernels baseline, and `speedup_vs_packed` isolates what speculation adds.
 PLAIN_PACKED = "plain_packed"
 #: Plain `generate()` on the exact kernels: the same-kernels baseline of a `kernels="exact"` evaluation

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .configuration import DSparkConfig
-from .kernels import mode_linear
 from .vocab import SubsetRows
 
 
@@ -61,7 +60,14 @@ class MarkovHead(nn.Module):
         """
         if vocab_ids is None:
             return self.markov_w2(features)
-        return mode_linear(self, features, self._w2_rows(self.markov_w2.weight, vocab_ids))
+        return self.functional_linear(features, self._w2_rows(self.markov_w2.weight, vocab_ids))
+
+    def functional_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`F.linear` for the `W2` rows this head caches (a slice, not an `nn.Linear` module). The exact kernel
+        mode (`dspark_hf.kernels`) swaps it per instance for its batch-invariant linear while it is active."""
+        return nn.functional.linear(x, weight, bias)
 
     def step(
         self,

@@ -41,7 +41,6 @@ from .formats import read_deepspec_checkpoint
 from .generation_defaults import defaults_from_config, load_defaults, save_defaults
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead, RNNHead
 from .hub import checkpoint_format, push_draft
-from .kernels import mode_linear
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
 from .loading import load_exact_weights, own_aligned_storage, refuse_pickle
 from .speculators_format import read_speculators_checkpoint
@@ -304,8 +303,15 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return self.lm_head(hidden)[..., ids.to(hidden.device)]
         weight = self._head_rows(head.weight, ids)
         bias = self._head_bias_rows(head.bias, ids) if head.bias is not None else None
-        logits = mode_linear(self, hidden.to(weight.dtype), weight, bias)
+        logits = self.functional_linear(hidden.to(weight.dtype), weight, bias)
         return self._softcap(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+
+    def functional_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`F.linear` for the LM-head rows this draft caches (a slice, not an `nn.Linear` module). The exact kernel
+        mode (`dspark_hf.kernels`) swaps it per instance for its batch-invariant linear while it is active."""
+        return nn.functional.linear(x, weight, bias)
 
     def expand_draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits `[..., K]` → full-vocabulary logits `[..., V]`, `-inf` outside the subset.

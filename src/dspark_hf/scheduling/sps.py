@@ -12,7 +12,7 @@ A measurement taken on a busy machine must not steer the scheduler for good, so:
   what is left with [`monotone_fit`] (a forward over more tokens never costs less: load only slows a
   forward down, so the lower envelope is kept);
 - [`get_sps_profile`] caches profiles on disk keyed by model, device, dtype, thread count, kernel mode
-  (`dspark_hf.model.kernels`) and a power-of-two context bucket, and re-measures one that is stale: older than
+  (`dspark_hf.kernels`) and a power-of-two context bucket, and re-measures one that is stale: older than
   `max_age`, measured with another torch or transformers version, in an older format, or flagged
   inconsistent;
 - the hardware-aware policies report live round times ([`SPSProfile.observe`]); when they disagree with the
@@ -39,7 +39,7 @@ import torch
 
 from .._paths import cache_dir
 from .._transformers import model_name
-from ..model.kernels import exact_kernels_build, kernels_of
+from ..kernels import exact_kernels_build, kernels_of
 
 DEFAULT_TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -282,7 +282,7 @@ def _cache_path(target, context_length: int) -> Path:
     device = str(target.device).replace(":", "")
     dtype = str(target.dtype).replace("torch.", "")
     threads = torch.get_num_threads() if target.device.type == "cpu" else 0
-    # packed or exact kernels (dspark_hf.model.kernels) change the cost curve's shape: a separate profile per mode
+    # packed or exact kernels (dspark_hf.kernels) change the cost curve's shape: a separate profile per mode
     mode = kernels_of(target)
     kernels = "" if mode == "stock" else f"-{mode}"
     fname = f"{name}-{device}-{dtype}-t{threads}{kernels}-ctx{context_bucket(context_length)}.json"

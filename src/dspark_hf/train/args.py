@@ -99,8 +99,8 @@ class PrepareDataArguments:
         default=None,
         metadata={
             "help": "CPU kernels to decode on: 'exact' (batch-invariant: a response does not depend on the other "
-            "rows of its chunk), 'packed' or 'stock'; default: DSPARK_KERNELS if set, else 'exact' for a "
-            "float32 target on the CPU and 'stock' otherwise."
+            "rows of its chunk), 'packed' or 'stock'; default: 'exact' for a float32 Llama/Qwen target "
+            "on the CPU and 'stock' otherwise (dspark_hf.kernels.default_kernels)."
         },
     )
     batch_size: int | None = field(
@@ -149,7 +149,7 @@ class PrepareDataArguments:
         for name in ("batch_size", "chunk_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PrepareDataArguments.{name} must be >= 1, got {getattr(self, name)}.")
-        from ..model.kernels import KERNEL_MODES
+        from ..kernels import KERNEL_MODES
 
         if self.kernels is not None and self.kernels not in KERNEL_MODES:
             raise ValueError(

@@ -404,9 +404,9 @@ def prepare_data(
     if args.overwrite and out.exists():
         out.unlink()
     done = _read_done(out)
-    from ..model.kernels import recommended_kernels, use_kernels
+    from ..kernels import default_kernels, use_kernels
 
-    kernels = args.kernels or recommended_kernels(target)
+    kernels = args.kernels or default_kernels(target)
     engine, backend, label = _make_backend(target, args, kernels)
     meter = _Throughput(len(conversations), len(done & set(range(len(conversations)))), args.progress)
     # The engine switches its own kernels; generate() runs on them inside this one scope.

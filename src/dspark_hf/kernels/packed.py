@@ -11,9 +11,11 @@ then multiply any small `M` at about the cost of `M = 1` (`torch.ops.mkldnn._lin
 on a packed copy of its weight, computed once and kept on the module (it is recomputed when the weight
 changes). The function computed is the same `x @ W.T + b`; only the summation order inside the kernel
 differs, which is the same kind of difference as between a 1-token and a k-token forward of the stock
-kernel. Speculative `generate()` with a DSpark draft and [`DSparkEngine`] use it for the target and the
-draft when it is enabled (opt-in, see [`set_cpu_packing`]); plain `generate()` is untouched,
-and [`pack_linear_weights`] gives plain decoding the same kernels, so benchmarks can report both baselines.
+kernel. `use_kernels(models, mode="packed")` (`dspark_hf.kernels.modes`) runs a target and its draft on it
+for a `with` block; it is never the default, because the packed kernel rounds differently from the stock one,
+and on one real prompt (of 32 in `dspark eval`) that flipped a near-tied greedy choice: the output was no longer
+token-identical to stock plain `generate()`. [`pack_linear_weights`] keeps a model packed until
+[`unpack_linear_weights`], so benchmarks can give plain decoding the same kernels.
 
 Cost: one extra copy of every packed weight in memory (for SmolLM2-135M, 0.5 GB), built in ~0.3 s on the
 first call.
@@ -22,7 +24,6 @@ first call.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from collections.abc import Iterator
 
@@ -36,29 +37,6 @@ PACK_BATCH_HINT = 8
 #: Above this many rows (a prefill, a large batch) the stock kernel is used: packing targets the few-row
 #: products of decoding and verification (measured faster than the stock kernel up to 256 rows here).
 PACKED_MAX_ROWS = 256
-
-_ENABLED: bool | None = None  # None: decided by the environment variable / support
-
-
-def set_cpu_packing(enabled: bool | None) -> None:
-    """Turn packed CPU verification on (`True`), off (`False`), or back to the default (`None`).
-
-    The default is off, unless the environment variable `DSPARK_CPU_PACKING=1` is set. It is opt-in
-    because the packed kernel rounds differently from the stock one, and on one real prompt (of 32 in
-    `dspark eval`) that flipped a near-tied greedy choice: the output was no longer token-identical to
-    stock plain `generate()`.
-    """
-    global _ENABLED
-    _ENABLED = enabled
-
-
-def cpu_packing_enabled() -> bool:
-    """Whether speculative decoding packs CPU linear weights (see [`set_cpu_packing`])."""
-    if _ENABLED is not None:
-        return _ENABLED and packing_available()
-    if os.environ.get("DSPARK_CPU_PACKING", "0").strip().lower() in ("1", "true", "yes", "on"):
-        return packing_available()
-    return False
 
 
 def packing_available() -> bool:
@@ -149,15 +127,15 @@ def unpack_linear_weights(model: nn.Module | list[nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def packed_linears(*models: nn.Module | None, enabled: bool | None = None) -> Iterator[list[nn.Linear]]:
-    """Run the eligible linears of `models` on packed weights inside the block, then restore them.
+def packed_linears(*models: nn.Module | None, enabled: bool = True) -> Iterator[list[nn.Linear]]:
+    """Run the eligible linears of `models` on packed weights inside the block, then restore them (the packed
+    mode of `use_kernels`).
 
     The packed copies stay cached on the modules, so the next block starts at once; call
-    [`unpack_linear_weights`] to free them. `enabled=None` follows [`cpu_packing_enabled`]. Modules that are
-    already packed (by [`pack_linear_weights`] or an enclosing block) are left as they are.
+    [`unpack_linear_weights`] to free them. With `enabled=False` (or without oneDNN's packed kernels) nothing
+    changes. Modules that are already packed (by [`pack_linear_weights`] or an enclosing block) are left as they
+    are. Yields the modules it changed.
     """
-    if enabled is None:
-        enabled = cpu_packing_enabled()
     changed: list[nn.Linear] = []
     try:
         if enabled and packing_available():

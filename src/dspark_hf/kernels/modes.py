@@ -1,0 +1,127 @@
+"""The kernel modes, the library's one default, and the one door: [`use_kernels`].
+
+Speculative decoding verifies `k` drafted tokens in one forward of the target. What "lossless" can promise
+depends on the kernels that forward runs on:
+
+- `"stock"`: PyTorch's own kernels, untouched. A k-row forward rounds differently from k one-row forwards
+  (the matrix product switches from a matrix-vector kernel to a blocked one), so speculative greedy output
+  equals plain decoding's only as long as no near-tie of two logits is decided differently; this is an
+  empirical property, not a guarantee.
+- `"packed"`: oneDNN packed weights for every linear layer (`dspark_hf.kernels.packed`). Faster, but its rows
+  are not batch-invariant either.
+- `"exact"`: batch-invariant kernels. Every row of a k-row forward is computed by the same sequence of
+  floating-point operations as a one-row forward (`dspark_hf.kernels.ops`, `dspark_hf.kernels.lean`).
+  Speculative decoding in this mode is token-identical to plain decoding *in the same mode* by construction
+  (greedy), and samples from exactly the distribution plain decoding in this mode samples from.
+
+The mode reaches the models through [`use_kernels`] only, for the duration of a `with` block: no process-wide
+setting, no environment variable. [`default_kernels`] is the mode the library picks when nobody names one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+import dspark_hf._transformers as tf
+
+from .exact import exact_kernels
+from .ops import EXACT_ATTENTION, is_exact
+from .packed import is_packed, packed_linears, packing_available
+
+KERNEL_MODES = ("stock", "packed", "exact")
+
+
+def check_kernels(mode: str) -> str:
+    """`mode` if it is one of [`KERNEL_MODES`]; a `ValueError` naming the choices otherwise."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"Unknown kernel mode {mode!r}; choose one of {', '.join(repr(m) for m in KERNEL_MODES)} "
+            "(see dspark_hf.kernels)."
+        )
+    return mode
+
+
+def exact_family(model: nn.Module) -> bool:
+    """Whether `model` is of a family whose decoder layers the exact mode runs as compiled calls (transformers'
+    Llama, Qwen2 and Qwen3 layers)."""
+    layer_types = tuple(tf.lean_layer_types())
+    return any(isinstance(module, layer_types) for module in model.modules())
+
+
+def default_kernels(target: nn.Module) -> str:
+    """The library's one default kernel mode for `target`, used wherever no mode is named.
+
+    `"exact"` for a target with float32 weights on the CPU of a supported family ([`exact_family`]: Llama, Qwen2,
+    Qwen3): batch-invariant and, on the CPUs measured, faster than stock at every batch size decoding uses. `"stock"`
+    otherwise: the exact kernels are CPU float32 kernels (other dtypes or devices would run their slow per-row
+    fallback) and other families run only partly on them. Never `"packed"` (not batch-invariant; opt in by name).
+
+    Args:
+        target (`nn.Module`): the model whose forwards the mode applies to.
+
+    Returns:
+        `str`: `"exact"` or `"stock"`.
+    """
+    weight = next((p for p in target.parameters() if p.dim() == 2), None)
+    on_cpu_fp32 = weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    return "exact" if on_cpu_fp32 and exact_family(target) else "stock"
+
+
+def kernels_of(model: nn.Module) -> str:
+    """Which mode `model` currently runs in: `"exact"`, `"packed"` or `"stock"`."""
+    if tf.attn_implementation(model) == EXACT_ATTENTION:
+        return "exact"
+    for module in model.modules():
+        if is_exact(module):
+            return "exact"
+        if is_packed(module):
+            return "packed"
+    return "stock"
+
+
+def _flat(models) -> list[nn.Module]:
+    out = []
+    for model in models:
+        if isinstance(model, (list, tuple)):
+            out += _flat(model)
+        elif model is not None:
+            out.append(model)
+    return out
+
+
+@contextlib.contextmanager
+def use_kernels(*models: nn.Module | None, mode: str) -> Iterator[str]:
+    """Run `models` (a target and optionally its draft) on the kernels of `mode` inside the block, then restore them.
+
+    The one way a kernel mode reaches a model: `generate(..., dspark_kernels=...)`, `DSparkEngine(kernels=...)` and
+    the command-line tools all enter it.
+
+    Args:
+        *models (`nn.Module`, or lists of them): the models to switch (`None` entries are skipped).
+        mode (`str`): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights) or `"exact"`
+            (batch-invariant kernels); see the module docs, and [`default_kernels`] for the library's default.
+
+    Yields the mode. On a model whose weights are not on the CPU the exact and packed modes change nothing
+    (their kernels are CPU kernels).
+
+    Example:
+
+    ```python
+    with use_kernels(target, draft, mode=default_kernels(target)):
+        out = target.generate(**inputs, assistant_model=draft)
+    ```
+    """
+    check_kernels(mode)
+    flat = _flat(models)
+    if mode == "stock":
+        yield mode
+    elif mode == "packed":
+        with packed_linears(*flat, enabled=packing_available()):
+            yield mode
+    else:
+        with exact_kernels(*flat):
+            yield mode
