@@ -90,8 +90,8 @@ def resolve_options(
         [`SpeculationOptions`]
 
     Raises:
-        `ValueError`: an unknown option name in `call`, or a value an option does not accept (the message says
-        which level set it).
+        ValueError: an unknown option name in `call`, or a value an option does not accept (the message says
+            which level set it).
     """
     call = dict(call or {})
     unknown = sorted(set(call) - set(OPTION_NAMES))
