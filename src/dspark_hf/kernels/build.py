@@ -2,9 +2,8 @@
 
 The build takes about a minute, needs a C++ compiler and `ninja`, and is cached under `$TORCH_EXTENSIONS_DIR` or
 `$DSPARK_HF_CACHE/torch_extensions`, keyed by a hash of the source, the compiler flags and the torch and Python
-versions. Without a compiler the exact mode runs its pure-PyTorch fallback (identical by construction, slower);
-`DSPARK_EXACT_BACKEND=torch` forces that fallback (a debugging switch: it changes how the exact mode computes, not
-which mode runs).
+versions. Without a compiler the exact mode runs its pure-PyTorch fallback (identical by construction, slower).
+Nothing here reads a dspark environment variable: the build is a cache of the extension, not a setting.
 """
 
 from __future__ import annotations
@@ -91,8 +90,6 @@ def _build():
 
 
 def _load() -> object:
-    if os.environ.get("DSPARK_EXACT_BACKEND", "").strip().lower() == "torch":
-        return False
     try:
         return _build()
     except Exception as err:  # no compiler, no ninja, a read-only cache ...
@@ -118,7 +115,7 @@ def backend():
 def exact_kernels_backend() -> str:
     """Which implementation the exact mode runs: `"cpp"` (the compiled kernels) or `"torch"` (the fallback).
 
-    Builds the kernels on first call. Set `DSPARK_EXACT_BACKEND=torch` to force the fallback.
+    Builds the kernels on first call.
     """
     return "cpp" if backend() is not None else "torch"
 
