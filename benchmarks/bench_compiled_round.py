@@ -1,6 +1,6 @@
 """The compiled drafting round against the eager one, interleaved, on the evaluation's prompt sets.
 
-For each prompt: speculative `generate()` with the compiled round (`draft.compiled_round = True`, the default),
+For each prompt: speculative `generate()` with the compiled round (`dspark_compiled=True`, the default),
 the same with the eager round, and plain `generate()`, all three on the exact kernels, one after the other
 (so they see the same machine load). Reports per set the speedup of each over plain decoding on the same kernels
 (total time over the set's prompts) and the median time of a drafting round (the round's draft and sequential
@@ -109,7 +109,7 @@ def main() -> None:
             inputs = chat_inputs(tokenizer, item.prompt)
             outputs = {}
             for way in ("compiled", "eager"):
-                draft.compiled_round = way == "compiled"
+                draft.generation_config.dspark_compiled = way == "compiled"  # the draft's default: every call
                 torch.manual_seed(0)
                 start = time.perf_counter()
                 outputs[way] = target.generate(**inputs, assistant_model=draft, **kwargs)
