@@ -239,6 +239,11 @@ def test_no_runtime_state_on_the_draft(pair):
     target.generate(torch.tensor([[5, 17, 3]]), assistant_model=draft, max_new_tokens=6, dspark_policy="fixed:2")
     assert not [a for a in gone if hasattr(draft, a)]
     assert {k for k in vars(draft) if k not in before} == set()  # the call parked nothing new on the module
+    # the old attributes would be silently ignored: setting one says where the option lives now
+    with pytest.raises(AttributeError, match=r"draft.generation_config.dspark_policy = 'fixed:3'"):
+        draft.policy = "fixed:3"
+    with pytest.raises(AttributeError, match="dspark_compiled"):
+        draft.compiled_round = False
 
 
 # ---------------------------------------------------------------------------------------------- save and load

@@ -23,6 +23,15 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 #: Config fields of older checkpoints and the generation-config attribute each one became.
 LEGACY_FIELDS = {"default_policy": "dspark_policy", "default_lookup": "dspark_lookup"}
 
+#: Draft attributes that once carried runtime options, and the generation-config attribute that does now.
+MOVED_ATTRIBUTES = {
+    "policy": "dspark_policy",
+    "lookup": "dspark_lookup",
+    "cuda_graphs": "dspark_cuda_graphs",
+    "compiled_round": "dspark_compiled",
+    "guessed_path": "dspark_guessed_path",
+}
+
 #: `from_pretrained` keywords that say where and how to fetch the file (the rest are for the weights).
 _FETCH_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "force_download", "proxies")
 
@@ -34,6 +43,17 @@ def check_legacy_fields(values: dict) -> None:
         raise ValueError(
             f"DSparkConfig.default_lookup must be true, false or null (the library's default), got {lookup!r}. "
             "Newer drafts record it as `dspark_lookup` in their generation_config.json."
+        )
+
+
+def check_moved_attribute(name: str, value) -> None:
+    """Refuse setting a draft attribute that no driver reads any more (it would be silently ignored)."""
+    if name in MOVED_ATTRIBUTES:
+        key = MOVED_ATTRIBUTES[name]
+        raise AttributeError(
+            f"`draft.{name}` is no longer read. Set the draft's default with `draft.generation_config.{key} = "
+            f"{value!r}` (saved with it as generation_config.json), or pass `{key}=` to one generate() call "
+            "(see dspark_hf.decoding.options)."
         )
 
 

@@ -38,7 +38,7 @@ from transformers.utils import ModelOutput
 
 from .configuration import DSparkConfig
 from .formats import read_deepspec_checkpoint
-from .generation_defaults import defaults_from_config, load_defaults, save_defaults
+from .generation_defaults import check_moved_attribute, defaults_from_config, load_defaults, save_defaults
 from .heads import SEQUENTIAL_HEAD_CLASSES, ConfidenceHead, RNNHead
 from .hub import checkpoint_format, push_draft
 from .layers import GemmaRMSNorm, RMSNorm, build_layers, final_norm
@@ -125,6 +125,10 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self._step_graphs = None  # the captured steps, made on first use
         self.last_generation_stats = None
         self.post_init()
+
+    def __setattr__(self, name: str, value) -> None:
+        check_moved_attribute(name, value)  # draft.policy & co.: the runtime options live in its generation config
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ binding to the target
     @classmethod
