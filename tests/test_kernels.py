@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import dspark_hf._transformers as tf
+from dspark_hf import last_generation_stats
 from dspark_hf.kernels import build, exact_linear, is_lean, kernels_of, lean_model, ops, packed, use_kernels
 
 from helpers import make_aligned_draft, make_target
@@ -189,7 +190,7 @@ def test_speculative_greedy_is_token_identical_to_plain_decoding_in_exact_mode(a
         prompt = torch.randint(0, target.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(seed))
         plain = target.generate(prompt, **kw)
         spec = target.generate(prompt, assistant_model=draft, dspark_policy="fixed", **kw)
-        stats = draft.last_generation_stats
+        stats = last_generation_stats(draft)
         assert max(r.accepted for r in stats.rounds) >= 2  # some verification forwards accepted several tokens
         assert torch.equal(plain, spec)
     assert kernels_of(target) == "stock"
@@ -212,6 +213,9 @@ def test_the_call_mode_applies_to_plain_generate_and_bad_modes_are_refused(monke
             pass
     with pytest.raises(ValueError, match="fast"):
         target.generate(prompt, max_new_tokens=2, dspark_kernels="fast")
+    with pytest.raises(TypeError, match="mode='exact'"):  # the mode is a keyword, never taken for a model
+        with use_kernels([target], "exact"):
+            pass
 
 
 def test_the_library_default_is_exact_for_a_float32_cpu_target_of_a_supported_family():

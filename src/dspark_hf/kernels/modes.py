@@ -84,17 +84,23 @@ def kernels_of(model: nn.Module) -> str:
 
 
 def _flat(models) -> list[nn.Module]:
+    """The models of `use_kernels(*models)`, lists flattened and `None` entries dropped."""
     out = []
     for model in models:
         if isinstance(model, (list, tuple)):
             out += _flat(model)
+        elif isinstance(model, str):
+            raise TypeError(
+                f"use_kernels got the string {model!r} among its models; the mode is a keyword argument: "
+                f"use_kernels(target, draft, mode={model!r})."
+            )
         elif model is not None:
             out.append(model)
     return out
 
 
 @contextlib.contextmanager
-def use_kernels(*models: nn.Module | None, mode: str) -> Iterator[str]:
+def use_kernels(*models: nn.Module | None, mode: str | None = None) -> Iterator[str]:
     """Run `models` (a target and optionally its draft) on the kernels of `mode` inside the block, then restore them.
 
     The one way a kernel mode reaches a model: `generate(..., dspark_kernels=...)`, `DSparkEngine(kernels=...)` and
@@ -102,7 +108,7 @@ def use_kernels(*models: nn.Module | None, mode: str) -> Iterator[str]:
 
     Args:
         *models (`nn.Module`, or lists of them): the models to switch (`None` entries are skipped).
-        mode (`str`): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights) or `"exact"`
+        mode (`str`, keyword only, required): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights) or `"exact"`
             (batch-invariant kernels); see the module docs, and [`default_kernels`] for the library's default.
 
     Yields the mode. On a model whose weights are not on the CPU the exact and packed modes change nothing
@@ -115,8 +121,13 @@ def use_kernels(*models: nn.Module | None, mode: str) -> Iterator[str]:
         out = target.generate(**inputs, assistant_model=draft)
     ```
     """
-    check_kernels(mode)
     flat = _flat(models)
+    if mode is None:
+        raise TypeError(
+            "use_kernels got no mode; name one of "
+            f"{', '.join(repr(m) for m in KERNEL_MODES)}, e.g. use_kernels(target, draft, mode=default_kernels(target))."
+        )
+    check_kernels(mode)
     if mode == "stock":
         yield mode
     elif mode == "packed":
