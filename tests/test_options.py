@@ -29,6 +29,7 @@ from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.decoding.lookup import LookupConfig
 from dspark_hf.decoding.options import OPTION_NAMES, SpeculationOptions, resolve_options
 from dspark_hf.scheduling.policies import FixedPolicy
+from test_hub import hub  # noqa: F401  (the local test Hub, a fixture)
 
 from helpers import make_aligned_draft, make_target
 
@@ -275,6 +276,29 @@ def test_old_checkpoints_config_fields_become_the_drafts_defaults(pair, tmp_path
     loaded.save_pretrained(tmp_path / "resaved")
     assert "default_policy" not in json.loads((tmp_path / "resaved" / "config.json").read_text())
     assert json.loads((tmp_path / "resaved" / "generation_config.json").read_text())["dspark_policy"] == "fixed:3"
+
+
+@pytest.mark.usefixtures("hub")
+def test_a_drafts_defaults_travel_through_the_hub_and_its_card_names_them(pair):
+    from huggingface_hub import HfApi
+
+    target, draft = pair
+    with _draft_defaults(draft, {"policy": "fixed:2", "lookup": True}):
+        draft.push_to_hub("alice/with-defaults")
+    api = HfApi()
+    assert "generation_config.json" in api.list_repo_files("alice/with-defaults")
+    with open(api.hf_hub_download("alice/with-defaults", "README.md"), encoding="utf-8") as f:
+        assert "| Default verification policy | `fixed:2` (`generation_config.json`) |" in f.read()
+    loaded = DSparkDraftModel.from_pretrained("alice/with-defaults", target=target)
+    assert (resolve_options(loaded, target).policy, resolve_options(loaded, target).lookup) == (
+        FixedPolicy(2),
+        LookupConfig(),
+    )
+    # a draft recording none pushes no such file, and loads with the library's defaults
+    draft.push_to_hub("alice/without-defaults")
+    assert "generation_config.json" not in api.list_repo_files("alice/without-defaults")
+    plain = DSparkDraftModel.from_pretrained("alice/without-defaults", target=target)
+    assert resolve_options(plain, target).policy == FixedPolicy() and resolve_options(plain, target).lookup is None
 
 
 # ---------------------------------------------------------------------------------------------- the shipped draft
