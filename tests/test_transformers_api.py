@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from dspark_hf import _transformers as api
+from dspark_hf import last_generation_stats
 
 from helpers import make_target
 
@@ -106,7 +107,7 @@ def test_speculative_generate_records_features_without_transformers_capturing_ho
     assert api.can_record(target, draft.config.target_layer_ids)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     spec = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, dspark_policy="fixed")
-    assert max(r.accepted for r in draft.last_generation_stats.rounds) >= 2  # the draft had real context
+    assert max(r.accepted for r in last_generation_stats(draft).rounds) >= 2  # the draft had real context
     assert torch.equal(spec, target.generate(ids, max_new_tokens=24, do_sample=False))
     # transformers' output_hidden_states was never asked for (it would have left capturing hooks everywhere),
     # and the call's own hooks are gone
@@ -215,3 +216,64 @@ def test_dynamic_layer_grows_in_place_and_holds_what_concatenation_holds():
     layer, keys_buffer, values_buffer, n = room
     api.hold_dynamic_layer(layer, keys_buffer, values_buffer, keys_buffer[:, :, :n], values_buffer[:, :, :n])
     assert grown.get_seq_length() == 9
+
+
+# ------------------------------------------------------------------ the private API stays in this one module
+#: transformers' (and torch's module-hook) private names dspark_hf has needed; each now sits behind a helper above.
+PRIVATE_NAMES = {
+    "_attn_implementation",
+    "_supports_attention_backend",
+    "_global_mapping",
+    "_active_collector",
+    "_name_or_path",
+    "_commit_hash",
+    "_eos_token_tensor",
+    "_get_candidate_generator",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+}
+#: `transformers.utils` holds public helpers (`logging`, `ModelOutput`) next to private modules.
+PUBLIC_UTILS = {"logging", "ModelOutput"}
+
+
+def private_uses(source: str) -> list[str]:
+    """The private transformers names a module's code uses as attributes or imports (not in docstrings, comments or
+    the keys of a saved `config.json`, which is a file format)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_NAMES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
+            names = [a.name for a in node.names]
+            if node.module.startswith("transformers.utils.") or any(n.startswith("_") for n in names):
+                found.append(f"{node.lineno}: from {node.module} import {', '.join(names)}")
+            elif node.module == "transformers.utils" and set(names) - PUBLIC_UTILS:
+                found.append(f"{node.lineno}: from transformers.utils import {', '.join(names)}")
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and getattr(node.args[1], "value", None) in PRIVATE_NAMES
+        ):
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")  # an attribute all the same
+    return found
+
+
+def test_no_private_transformers_api_outside_this_module():
+    from pathlib import Path
+
+    package = Path(api.__file__).parent
+    uses = {
+        str(path.relative_to(package)): found
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_transformers.py" and (found := private_uses(path.read_text()))
+    }
+    assert uses == {}, f"private transformers API outside dspark_hf/_transformers.py: {uses}"
+    # negative control: the check sees each kind of use
+    assert len(private_uses("m.config._attn_implementation\nfrom transformers.utils.output_capturing import x\n")) == 2
+    assert private_uses('getattr(c, "_name_or_path")') and not private_uses('"""model._forward_hooks"""')
+    assert not private_uses('config_dict.get("_name_or_path")')
