@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf  # noqa: F401  (registers the generate() hook)
+from dspark_hf import last_generation_stats
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.evaluation.prompt_sets import load_prompt_set
 
@@ -34,7 +35,7 @@ def time_pieces(target, draft) -> dict:
     """Medians (ms) of each piece of a drafting round, eager and compiled, warm and cold (see the module docs)."""
     from dspark_hf.decoding.caches import KVStore
     from dspark_hf.decoding.compiled import CompiledRound
-    from dspark_hf.decoding.drafting import SequenceSampler, draft_block, ingest, sample_block
+    from dspark_hf.decoding.drafting import SharedSampler, draft_block, ingest, sample_block
     from dspark_hf.kernels import use_kernels
 
     evict = torch.zeros(600_000_000 // 4)
@@ -57,7 +58,7 @@ def time_pieces(target, draft) -> dict:
             ),
             "eager: block + 4 LM-head rows": lambda: draft_block(draft, [eager_store], anchors, positions=4),
             "eager: sequential + confidence heads": lambda: sample_block(
-                draft, hidden, base, anchors, SequenceSampler(None, torch.tensor([[1, 42]]), False)
+                draft, hidden, base, anchors, SharedSampler(None, torch.tensor([[1, 42]]), False)
             ),
             "compiled: draft_ingest (1 token)": lambda: (
                 compiled.ingest(compiled_store, one),
@@ -116,7 +117,7 @@ def main() -> None:
                 seconds[way] += time.perf_counter() - start
                 rounds[way] += [
                     r.draft_time + r.sequential_time
-                    for r in draft.last_generation_stats.rounds
+                    for r in last_generation_stats(draft).rounds
                     if r.drafted and r.source != "lookup"
                 ]
             torch.manual_seed(0)

@@ -6,7 +6,7 @@ drafts and verifies a full block of γ = 7). For the full vocabulary and for sub
 most frequent tokens of the assistant turns of ShareGPT conversations from the training slice, tokenized by
 the target's tokenizer, always including EOS / end-of-turn), it reports per round:
 
-* `drafting_ms`: the drafting step, `draft_time + sequential_time` of `draft.last_generation_stats.rounds`
+* `drafting_ms`: the drafting step, `draft_time + sequential_time` of `last_generation_stats(draft).rounds`
   (context update, backbone, base logits, sequential + confidence heads, sampling loop);
 * `round_ms`: drafting plus target verification (`verify_time`), and `wall_per_round_ms` (wall clock of the
   generate() calls divided by their rounds, prefill included);
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
+from dspark_hf import last_generation_stats
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.model.vocab import frequent_token_ids
 
@@ -102,10 +103,10 @@ def measure(target, draft, inputs, max_new_tokens: int) -> dict:
         )
         wall += time.perf_counter() - start
         outputs.append(out[0, ids["input_ids"].shape[1] :].tolist())
-        for r in draft.last_generation_stats.rounds:
+        for r in last_generation_stats(draft).rounds:
             drafting += r.draft_time + r.sequential_time
             verify += r.verify_time
-        rounds += draft.last_generation_stats.num_rounds
+        rounds += last_generation_stats(draft).num_rounds
     return {
         "drafting": drafting / rounds,
         "round": (drafting + verify) / rounds,

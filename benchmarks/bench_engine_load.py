@@ -40,7 +40,7 @@ import torch
 
 import dspark_hf
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.decoding.engine_batch import KVStore, ragged_target_forward
+from dspark_hf.decoding.target_forward import KVStore, ragged_target_forward
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.evaluation.harness import synchronize
 from dspark_hf.kernels.packed import packed_linears

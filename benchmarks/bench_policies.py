@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
+from dspark_hf import last_generation_stats
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.kernels import use_kernels
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
@@ -96,7 +97,7 @@ def main() -> None:
         else:
             out = target.generate(ids, assistant_model=draft, dspark_policy=policy, dspark_kernels=kernels, **kw)
         elapsed = time.perf_counter() - start
-        return (out.shape[1] - ids.shape[1]) / elapsed, (draft.last_generation_stats if policy is not None else None)
+        return (out.shape[1] - ids.shape[1]) / elapsed, (last_generation_stats(draft) if policy is not None else None)
 
     run(inputs[0], None)  # warm-up
     run(inputs[0], None, "stock")
@@ -152,7 +153,7 @@ def main() -> None:
                 dspark_policy=cls(sps=profile, background_tokens=load),
                 **{**kw, "max_new_tokens": 32},
             )
-            lengths.append(draft.last_generation_stats.mean_verified)
+            lengths.append(last_generation_stats(draft).mean_verified)
         load_curve[cls.name] = lengths
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

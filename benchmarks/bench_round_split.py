@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import dspark_hf
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, last_generation_stats
 
 HEADS = ["none", "markov", "gated", "rnn"]
 PROMPTS = [
@@ -88,7 +88,7 @@ def measure(target, inputs, draft, max_new_tokens: int) -> dict:
         start = time.perf_counter()
         target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft, pad_token_id=0)
         wall += time.perf_counter() - start
-        stats = draft.last_generation_stats
+        stats = last_generation_stats(draft)
         for key, value in stats.time_split().items():
             totals[key] += value
         rounds += stats.num_rounds

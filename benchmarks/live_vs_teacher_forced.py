@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from dspark_hf import last_generation_stats
 from dspark_hf.default_model import chat_inputs, load_draft, load_target
 from dspark_hf.model.modeling import block_attention_mask
 from dspark_hf.train.features import target_features
@@ -61,7 +62,7 @@ def main() -> None:
                 **inputs, assistant_model=draft, dspark_policy="fixed", do_sample=False,
                 max_new_tokens=args.max_new_tokens,
             )  # fmt: skip
-        rounds = draft.last_generation_stats.rounds
+        rounds = last_generation_stats(draft).rounds
         everywhere = list(range(start, seq.shape[1] - 1))
         forced = dict(zip(everywhere, first_token_predictions(draft, target, seq, everywhere)))
         nxt = {a: int(seq[0, a + 1]) for a in everywhere}

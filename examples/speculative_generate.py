@@ -13,6 +13,7 @@ import argparse
 import torch
 
 import dspark_hf  # noqa: F401  (registers the generate() hook)
+from dspark_hf import last_generation_stats
 from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 
 
@@ -31,7 +32,7 @@ def main() -> None:
     spec = target.generate(**inputs, assistant_model=draft, dspark_policy="fixed", **kwargs)
     assert torch.equal(plain, spec), "speculative output must equal plain generate()"
 
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     print(tokenizer.decode(spec[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
     print(f"identical to plain generate(): yes; tau = {stats.tau:.2f} over {stats.num_rounds} rounds")
     print("time split (s):", {k: round(v, 3) for k, v in stats.time_split().items()})

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, last_generation_stats
 from dspark_hf.train import DataArguments, ModelArguments, PrepareDataArguments, TrainArguments, prepare_data, train
 
 
@@ -131,7 +131,7 @@ def main() -> None:
             eos_token_id=1,
             pad_token_id=1,
         )
-        rounds += [r.accepted + 1 for r in draft.last_generation_stats.rounds if r.verified == draft.config.block_size]
+        rounds += [r.accepted + 1 for r in last_generation_stats(draft).rounds if r.verified == draft.config.block_size]
     print(
         f"greedy output identical to plain generate(): yes; measured tau = {sum(rounds) / len(rounds):.2f} "
         f"over {len(rounds)} rounds"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, last_generation_stats
 from dspark_hf.scheduling.calibration import (
     CalibrationRecords,
     auroc,
@@ -120,7 +120,7 @@ def test_calibrate_end_to_end_on_generate(tmp_path):
     policy = HardwareAwarePolicy(sps=SPSProfile({1: 0.065, 2: 0.107, 16: 0.107, 32: 0.142}))
     out = target.generate(prompts[0], max_new_tokens=20, do_sample=False, assistant_model=loaded, dspark_policy=policy)
     assert torch.equal(out, target.generate(prompts[0], max_new_tokens=20, do_sample=False))
-    stats = loaded.last_generation_stats
+    stats = last_generation_stats(loaded)
     assert stats.policy.startswith("HardwareAwarePolicy")
     assert all(len(r.calibrated_confidence) == len(r.confidence) for r in stats.rounds if r.drafted)
 

@@ -32,7 +32,7 @@ def _step(draft, temperatures, do_sample: bool):
     def step(context_kv, block_ids, positions, seed_ids, noise=None):
         hidden = draft.run_backbone(draft.embed_tokens(block_ids), positions, context_kv)
         base = draft.draft_logits(hidden)
-        sampler = drafting.SequenceSampler(None, seed_ids, do_sample, noise=noise)
+        sampler = drafting.SharedSampler(None, seed_ids, do_sample, noise=noise)
         block = drafting.sample_block(draft, hidden, base, block_ids[:, 0], sampler, guessed_path=False)
         scores = drafting.score_block(block, temperatures)
         return block.tokens, block.logits, scores.survival

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark_hf import last_generation_stats
 from dspark_hf.decoding import compiled as compiled_module
 from dspark_hf.decoding.compiled import CompiledRound
 from dspark_hf.kernels import exact_kernels_backend, is_exact_norm
@@ -46,7 +47,7 @@ def _rounds(target, draft, compiled: bool, do_sample: bool):
         dspark_policy="fixed",
         dspark_lookup=False,
     )
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     rounds = [(r.drafted, r.confidence_logits, r.verified, r.accepted) for r in stats.rounds]
     return out, rounds
 

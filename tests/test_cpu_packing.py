@@ -8,6 +8,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 import dspark_hf
+from dspark_hf import last_generation_stats
 from dspark_hf.kernels import default_kernels, kernels_of, use_kernels
 from dspark_hf.kernels import packed as cpu_packing
 from dspark_hf.kernels.packed import (
@@ -142,7 +143,7 @@ def test_speculative_generate_packs_and_is_exact_in_fp32():
             assert torch.equal(out, plain), f"prompt {i}: packed speculative output differs"
             assert counts["stock"] == stock_calls and counts["packed"] > 0
             counts["packed"] = 0
-            taus.append(draft.last_generation_stats.tau)
+            taus.append(last_generation_stats(draft).tau)
     finally:
         for h in handles:
             h.remove()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf import DSparkEngine, SamplingParams
+from dspark_hf import DSparkEngine, SamplingParams, last_generation_stats
 from dspark_hf.scheduling import sps
 from dspark_hf.scheduling.policies import AdaptivePolicy, FixedPolicy, UniformHardwareAwarePolicy, resolve_policy
 
@@ -28,7 +28,7 @@ def _run(monkeypatch, policy):
     prompt = torch.tensor([[5, 17, 3, 9]])
     out = target.generate(prompt, assistant_model=draft, dspark_policy=policy, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))  # lossless either way
-    return draft.last_generation_stats
+    return last_generation_stats(draft)
 
 
 def declined_drafts(stats) -> int:
@@ -65,14 +65,14 @@ def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monke
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     out = target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
     assert torch.equal(out, plain)
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     assert "FixedPolicy(n=2)" in stats.policy, stats.policy
     assert {r.verified for r in stats.rounds if r.drafted} <= {1, 2} and any(r.verified == 2 for r in stats.rounds)
     target.generate(prompt, assistant_model=draft, dspark_policy="hardware_aware_uniform", max_new_tokens=24)
-    assert "Uniform" in draft.last_generation_stats.policy
+    assert "Uniform" in last_generation_stats(draft).policy
     draft.generation_config.dspark_policy = None
     target.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
-    assert "Uniform" in draft.last_generation_stats.policy
+    assert "Uniform" in last_generation_stats(draft).policy
 
 
 def test_the_engine_runs_the_drafts_recorded_default_policy_like_generate(monkeypatch):

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark_hf import last_generation_stats
+
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +151,7 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
         page.locator("#dspark-clear").click()
         page.wait_for_selector('.dspark-stats[data-phase="idle"]')
         light = _send(page, PROMPT)
-    light_stats = draft.last_generation_stats
+    light_stats = last_generation_stats(draft)
     assert (
         light_stats.policy.startswith("HardwareAwarePolicy(")
         and f"background_tokens={LIGHT_LOAD}" in light_stats.policy
@@ -188,7 +190,7 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
     page.wait_for_selector('.dspark-stats[data-phase="idle"]')
     _set_number(page, "dspark-background", HEAVY_LOAD)
     heavy = _send(page, PROMPT)
-    heavy_stats = draft.last_generation_stats
+    heavy_stats = last_generation_stats(draft)
     assert heavy["verified"] == [r.verified for r in heavy_stats.rounds]
 
     # Round 1 follows the same prompt in both runs, so it has the same survival probabilities: the only

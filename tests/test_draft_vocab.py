@@ -29,10 +29,17 @@ from safetensors.torch import load_file, save_file
 from scipy import stats
 from transformers import AutoModel, GenerationConfig, LogitsProcessorList, SuppressTokensLogitsProcessor
 
-from dspark_hf import DSparkConfig, DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec
-from dspark_hf.decoding.drafting import RowsSampler, sample_block
-from dspark_hf.decoding.engine_batch import RowSampler
+from dspark_hf import (
+    DSparkConfig,
+    DSparkDraftModel,
+    DSparkEngine,
+    SamplingParams,
+    export_deepspec,
+    last_generation_stats,
+)
+from dspark_hf.decoding.drafting import PerRowSampler, sample_block
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
+from dspark_hf.decoding.target_forward import RequestSampler
 from dspark_hf.model.vocab import frequent_token_ids
 from test_sampling_exactness import (
     ALPHA,
@@ -183,8 +190,8 @@ def _run_generate(target, draft, prompts, **kwargs):
     for ids, max_new in prompts:
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new, **kwargs)
         outs.append(target.generate(ids, generation_config=config, assistant_model=draft))
-        taus.append(draft.last_generation_stats.tau)
-        drafted |= {t for r in draft.last_generation_stats.rounds for t in r.drafted}
+        taus.append(last_generation_stats(draft).tau)
+        drafted |= {t for r in last_generation_stats(draft).rounds for t in r.drafted}
     return outs, sum(taus) / len(taus), drafted
 
 
@@ -257,9 +264,9 @@ def test_engine_sample_block_fallback_when_processors_exclude_the_subset():
     draft.set_draft_vocab(subset)
     hidden = torch.zeros(2, 3, target.config.hidden_size, dtype=torch.float64)
     base = draft.draft_logits(hidden)
-    suppress = RowSampler(processors=LogitsProcessorList([SuppressTokensLogitsProcessor(subset)]), do_sample=True)
-    plain = RowSampler(do_sample=True, generator=torch.Generator().manual_seed(0))
-    block = sample_block(draft, hidden, base, torch.tensor([4, 5]), RowsSampler([suppress, plain], [[1, 4], [1, 5]]))
+    suppress = RequestSampler(processors=LogitsProcessorList([SuppressTokensLogitsProcessor(subset)]), do_sample=True)
+    plain = RequestSampler(do_sample=True, generator=torch.Generator().manual_seed(0))
+    block = sample_block(draft, hidden, base, torch.tensor([4, 5]), PerRowSampler([suppress, plain], [[1, 4], [1, 5]]))
     tokens, q = block.tokens, block.logits
     assert not set(tokens[0].tolist()) & set(subset), "row 0 must draft from outside the (suppressed) subset"
     assert set(tokens[1].tolist()) <= set(subset)
@@ -287,7 +294,7 @@ def _sample(target, draft, seed: int = SEED, **generate_kwargs) -> tuple[np.ndar
     for _ in range(N):
         out = target.generate(PROMPT, generation_config=config, assistant_model=draft)
         counts[index[tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + WINDOW].tolist())]] += 1
-        for r in draft.last_generation_stats.rounds:
+        for r in last_generation_stats(draft).rounds:
             info["accepted"] += r.accepted
             info["verified"] += r.verified
             info["drafted"] |= set(r.drafted)
@@ -410,9 +417,9 @@ def test_save_load_keeps_the_subset(tmp_path):
     loaded = DSparkDraftModel.from_pretrained(tmp_path, target=target)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     a = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
-    drafted_a = [r.drafted for r in draft.last_generation_stats.rounds]
+    drafted_a = [r.drafted for r in last_generation_stats(draft).rounds]
     b = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=loaded)
-    assert torch.equal(a, b) and drafted_a == [r.drafted for r in loaded.last_generation_stats.rounds]
+    assert torch.equal(a, b) and drafted_a == [r.drafted for r in last_generation_stats(loaded).rounds]
     model, info = DSparkDraftModel.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and model.config.draft_vocab_size == VOCAB // 2
 

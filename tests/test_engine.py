@@ -16,9 +16,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.decoding.engine_batch import choose_layout, context_limit
+from dspark_hf import DSparkEngine, SamplingParams, last_generation_stats
 from dspark_hf.decoding.metrics import EngineMetrics
+from dspark_hf.decoding.target_forward import choose_layout, context_limit
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile
 
@@ -116,7 +116,7 @@ def test_uniform_policy_skips_drafting_under_load_and_stays_exact(setups, monkey
     Requests join and finish, so the batch crosses that line both ways; outputs stay exactly greedy, the draft
     runs only in rounds that verify, and its context stays in step through the rounds that skip it.
     """
-    import dspark_hf.decoding.engine as engine_module
+    import dspark_hf.decoding.backends.eager as engine_module  # the engine drafts through the eager backend
 
     target, draft, work, refs = setups["qwen2"]
     calls, at_draft = [], []
@@ -198,11 +198,11 @@ def test_per_request_rounds_match_single_request_generate(setups):
     )
     for (prompt, m), out in zip(work, outputs):
         target.generate(torch.tensor([prompt]), max_new_tokens=m, do_sample=False, assistant_model=draft)
-        single = [(r.verified, r.accepted) for r in draft.last_generation_stats.rounds]
+        single = [(r.verified, r.accepted) for r in last_generation_stats(draft).rounds]
         assert [(r.verified, r.accepted) for r in out.stats.rounds] == single
         assert sum(r.accepted + 1 for r in out.stats.rounds) + 1 == len(out.token_ids)
         summary = out.summary()
-        assert summary["tau"] == draft.last_generation_stats.tau and summary["tokens_per_second"] > 0
+        assert summary["tau"] == last_generation_stats(draft).tau and summary["tokens_per_second"] > 0
 
 
 def test_eos_and_repetition_penalty_match_generate(setups):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy import stats
 
-import dspark_hf.decoding.engine as engine_module
+import dspark_hf.decoding.target_forward as engine_module  # the engine accepts rows there (accept_rows)
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.decoding.lookup import LookupConfig, LookupGate
 from dspark_hf.decoding.verification import categorical_draw

@@ -25,7 +25,7 @@ import pytest
 import torch
 from scipy import stats
 
-import dspark_hf.decoding.engine_batch as engine_batch
+import dspark_hf.decoding.target_forward as target_forward
 from dspark_hf import DSparkEngine
 from dspark_hf.decoding.verification import residual_distribution
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
@@ -123,7 +123,7 @@ def test_biased_acceptance_is_detected_through_the_engine(setup, monkeypatch):
         dist = residual_distribution(p_probs[n], q_probs[n]) if n < draft_tokens.numel() else p_probs[n]
         return n, int(torch.multinomial(dist, 1, generator=generator))
 
-    monkeypatch.setattr(engine_batch, "speculative_accept", biased)
+    monkeypatch.setattr(target_forward, "speculative_accept", biased)
     counts, _ = _sample(target, draft, "fixed")
     p_value = float(stats.chisquare(counts, N * joint).pvalue)
     print(f"\nbiased acceptance through the engine: p={p_value:.4g}")

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from dspark_hf import DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec
+from dspark_hf import DSparkDraftModel, DSparkEngine, SamplingParams, export_deepspec, last_generation_stats
 from dspark_hf.train.features import target_features
 
 from deepspec_reference import block_inputs, max_diff, ours, reference_forward, write_deepspec_checkpoint
@@ -185,7 +185,7 @@ def test_gemma4_greedy_generate_identical_to_plain(tmp_path, source):
     plain = target.generate(prompt, max_new_tokens=40, do_sample=False)  # > sliding window: the cache rolls over
     spec = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert torch.equal(plain, spec)
-    assert draft.last_generation_stats.rounds
+    assert last_generation_stats(draft).rounds
 
 
 # ---------------------------------------------------------------------- -1: the embedding output

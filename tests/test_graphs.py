@@ -26,6 +26,7 @@ from transformers import (
     TopKLogitsWarper,
 )
 
+from dspark_hf import last_generation_stats
 from dspark_hf.decoding import draft_graphs, drafting
 from dspark_hf.decoding.caches import KVStore
 from sync_counter import SyncCounter
@@ -69,7 +70,7 @@ def _noise(rows, seed=1):
 
 def _eager(draft, stores, anchors, do_sample, noise, processors=None):
     hidden, base = drafting.draft_block(draft, stores, anchors)
-    sampler = drafting.SequenceSampler(processors, anchors[:, None], do_sample, noise=noise)
+    sampler = drafting.SharedSampler(processors, anchors[:, None], do_sample, noise=noise)
     block = drafting.sample_block(draft, hidden, base, anchors, sampler, guessed_path=False)
     return block, drafting.score_block(block, torch.tensor(draft.config.calibration_temperatures))
 
@@ -184,7 +185,7 @@ def test_runner_follows_growing_stores_across_buckets(target, do_sample):
     """Rounds of a growing context (crossing the 64- and 128-token buckets), 3 rows padded to 4, a row whose
     store is replaced: every round equals the eager path on the same noise."""
     draft = _draft(target, "rnn", subset=True)
-    draft._step_graphs = None
+    draft_graphs.clear_graph_cache(draft)
     runner = draft_graphs.DraftStepGraphs(draft, None, do_sample, capture=False)
     stores = _stores(draft, [50, 10, 60])
     gen = torch.Generator().manual_seed(3)
@@ -200,16 +201,16 @@ def test_runner_follows_growing_stores_across_buckets(target, do_sample):
         new = _stores(draft, growth, seed=10 + round_)
         for store, extra in zip(stores, new):  # commit `growth` more tokens to every row
             store.append([extra.layer(i) for i in range(len(draft.layers))])
-    capacities = sorted(key[2] for key in draft._step_graphs.entries)
+    capacities = sorted(key[2] for key in draft_graphs.graph_cache(draft).entries)
     assert capacities == [64, 128, 256], capacities
-    assert all(key[1] == 4 for key in draft._step_graphs.entries)
+    assert all(key[1] == 4 for key in draft_graphs.graph_cache(draft).entries)
 
 
 def test_cache_is_bounded_and_dropped_when_weights_change(target):
     draft = _draft(target, "markov")
-    draft._step_graphs = None
+    draft_graphs.clear_graph_cache(draft)
     runner = draft_graphs.DraftStepGraphs(draft, None, False, capture=False)
-    cache = draft._step_graphs
+    cache = draft_graphs.graph_cache(draft)
     cache.max_entries = 2
     for n in (10, 100, 200, 300):
         runner.run(_stores(draft, [n]), torch.tensor([1]))
@@ -220,7 +221,7 @@ def test_cache_is_bounded_and_dropped_when_weights_change(target):
     assert not cache.entries
     import copy
 
-    assert not copy.deepcopy(draft)._step_graphs.entries  # a copy never shares captured graphs
+    assert not draft_graphs.graph_cache(copy.deepcopy(draft)).entries  # a copy never shares captured graphs
 
 
 # ---------------------------------------------------------------------- the option in generate()
@@ -249,7 +250,7 @@ def test_requested_on_cpu_falls_back_once_with_the_reason(target, how, caplog):
     warnings = _graph_warnings(caplog)
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "the draft is on cpu" in warnings[0].getMessage()
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     assert stats.cuda_graphs is False and "cpu" in stats.cuda_graphs_fallback
     assert stats.num_rounds > 3
     assert not hasattr(draft, "_call_cuda_graphs")  # nothing of the call is parked on the draft
@@ -260,7 +261,7 @@ def test_default_is_off_on_cpu_and_silent(target, caplog):
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         target.generate(_prompt(), assistant_model=draft, max_new_tokens=12, do_sample=False)
     assert not [r for r in caplog.records if r.name == LOGGER]
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     assert stats.cuda_graphs is False and stats.cuda_graphs_fallback is None
     assert stats.summary()["cuda_graphs"] is False
 
@@ -274,7 +275,7 @@ def test_option_values_are_checked(target):
     draft.generation_config.dspark_cuda_graphs = True
     # the call's own value wins over the draft attribute: False is silent and eager
     target.generate(_prompt(), assistant_model=draft, max_new_tokens=4, dspark_cuda_graphs=False)
-    assert draft.last_generation_stats.cuda_graphs_fallback is None
+    assert last_generation_stats(draft).cuda_graphs_fallback is None
 
 
 def test_processors_outside_the_graph_safe_set_are_named(monkeypatch):
@@ -303,7 +304,7 @@ def test_graph_path_drives_generate_to_the_same_greedy_output(target, head, grap
         expected = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
         out = target.generate(prompt, assistant_model=draft, max_new_tokens=max_new, do_sample=False)
         assert torch.equal(out, expected), (head, seed)
-        assert draft.last_generation_stats.cuda_graphs is True
+        assert last_generation_stats(draft).cuda_graphs is True
 
 
 def test_graph_path_sampling_is_reproducible(target, graph_path_on_cpu):
@@ -313,7 +314,7 @@ def test_graph_path_sampling_is_reproducible(target, graph_path_on_cpu):
     for _ in range(2):
         torch.manual_seed(4)
         outs.append(target.generate(_prompt(), assistant_model=draft, max_new_tokens=30, do_sample=True, top_k=20))
-        assert draft.last_generation_stats.cuda_graphs is True
+        assert last_generation_stats(draft).cuda_graphs is True
     assert torch.equal(outs[0], outs[1])
 
 
@@ -323,10 +324,10 @@ def test_graph_path_reads_the_device_once_per_round(target, graph_path_on_cpu):
     draft.generation_config.dspark_cuda_graphs = True
     with SyncCounter() as counter:
         target.generate(_prompt(), assistant_model=draft, dspark_policy="fixed", max_new_tokens=40, do_sample=True)
-    rounds = sum(1 for r in draft.last_generation_stats.rounds if r.drafted)
-    assert draft.last_generation_stats.cuda_graphs is True and rounds >= 5
+    rounds = sum(1 for r in last_generation_stats(draft).rounds if r.drafted)
+    assert last_generation_stats(draft).cuda_graphs is True and rounds >= 5
     # one-off: the generator's seed and the temperatures of generate() (2), and each bucket's temperatures
-    buckets = len(draft._step_graphs.entries)
+    buckets = len(draft_graphs.graph_cache(draft).entries)
     assert rounds <= counter.total <= rounds + 2 + buckets, counter.by_site
 
 
@@ -345,12 +346,12 @@ def test_cuda_graph_capture_replays_the_padded_step(do_sample):
         seed = 100 + round_
         gens = [torch.Generator(device="cuda").manual_seed(seed) for _ in range(2)]
         graphed = captured.run(stores, anchors, gens[0])
-        assert graphed is not None, draft._step_graphs.failed  # the capture raised
+        assert graphed is not None, draft_graphs.graph_cache(draft).failed  # the capture raised
         reference = eager.run(stores, anchors, gens[1])
         _assert_same(reference, graphed)  # the same kernels on the same inputs
         new = _stores(draft, [40], seed=round_)[0]  # 13, 53, 93: the second bucket is captured too
         stores[0].append([new.layer(i) for i in range(len(draft.layers))])
-    graphs = [key[2] for key, entry in draft._step_graphs.entries.items() if entry.graph is not None]
+    graphs = [key[2] for key, entry in draft_graphs.graph_cache(draft).entries.items() if entry.graph is not None]
     assert sorted(graphs) == [64, 128], graphs
 
 
@@ -364,16 +365,16 @@ def test_cuda_graphs_in_generate_keep_greedy_identity():
     for _ in range(2):  # the second call replays the graphs the first one captured
         out = gpu_target.generate(prompt, **kwargs)
         assert torch.equal(out, expected)
-        stats = draft.last_generation_stats
+        stats = last_generation_stats(draft)
         assert stats.cuda_graphs is True, stats.cuda_graphs_fallback  # auto: on for CUDA
-    captured = len(draft._step_graphs.entries)
+    captured = len(draft_graphs.graph_cache(draft).entries)
     gpu_target.generate(prompt, **kwargs)
-    assert len(draft._step_graphs.entries) == captured
+    assert len(draft_graphs.graph_cache(draft).entries) == captured
     gpu_target.generate(prompt, **kwargs, dspark_cuda_graphs=False)
-    assert draft.last_generation_stats.cuda_graphs is False
+    assert last_generation_stats(draft).cuda_graphs is False
     torch.manual_seed(0)  # sampling with top-k (graph-safe): exact draws, and a seed reproduces the call
     first = gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20)
-    assert draft.last_generation_stats.cuda_graphs is True
+    assert last_generation_stats(draft).cuda_graphs is True
     torch.manual_seed(0)
     assert torch.equal(gpu_target.generate(prompt, **{**kwargs, "do_sample": True}, top_k=20), first)
 

@@ -15,6 +15,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from dspark_hf import last_generation_stats
+
 from helpers import ARCHS, assert_context_is_the_targets, make_aligned_draft, make_target, record_draft_context
 
 HEADS = ["markov", "gated", "rnn", "none"]
@@ -54,7 +56,7 @@ def test_greedy_identity(references, arch, head, policy):
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new, dspark_policy=policy)
         out = target.generate(ids, generation_config=config, assistant_model=draft)
         assert torch.equal(out, ref), f"{arch}/{head}/{policy}: speculative output differs for prompt {ids.tolist()}"
-        stats = draft.last_generation_stats
+        stats = last_generation_stats(draft)
         # every emitted token is accounted for: one per round plus accepted drafts, plus the prefill token
         assert sum(r.accepted + 1 for r in stats.rounds) + 1 == out.shape[1] - ids.shape[1]
         taus.append(stats.tau)
@@ -84,7 +86,7 @@ def test_eos_inside_drafted_block(references, arch):
         )
         assert torch.equal(plain, spec)
         assert spec[0, -1].item() == eos
-        last = draft.last_generation_stats.rounds[-1]
+        last = last_generation_stats(draft).rounds[-1]
         eos_inside += eos in last.drafted[: last.verified]
     assert eos_inside >= 3, "the test should hit EOS inside verified drafted blocks several times"
 
@@ -131,5 +133,5 @@ def test_draft_context_matches_target_hidden_states(references):
     seen = record_draft_context(draft)
     ids, _ = prompts[5]
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft)
-    assert len(draft.last_generation_stats.rounds)
+    assert len(last_generation_stats(draft).rounds)
     assert_context_is_the_targets(target, draft, seen, out)

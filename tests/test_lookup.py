@@ -17,6 +17,7 @@ import torch
 from scipy import stats
 from transformers import GenerationConfig
 
+from dspark_hf import last_generation_stats
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.decoding.lookup import LookupConfig, LookupIndex, lookup_continuation, resolve_lookup
 
@@ -102,7 +103,7 @@ def test_greedy_output_with_lookup_is_identical_and_the_drafts_context_stays_exa
             config = GenerationConfig(do_sample=False, max_new_tokens=max_new, dspark_lookup=lookup)
             out = target.generate(ids, generation_config=config, assistant_model=draft)
             assert torch.equal(out, ref), f"{arch}: speculative output with lookup differs for {ids.tolist()}"
-            rounds = draft.last_generation_stats.rounds
+            rounds = last_generation_stats(draft).rounds
             assert sum(r.accepted + 1 for r in rounds) + 1 == out.shape[1] - ids.shape[1]
             assert all(r.verified <= (3 if lookup == 3 else 7) for r in rounds if r.source == "lookup")
             lookups += sum(r.source == "lookup" for r in rounds)
@@ -111,7 +112,7 @@ def test_greedy_output_with_lookup_is_identical_and_the_drafts_context_stays_exa
     seen = record_draft_context(draft)
     ids, _ = _repetitive_prompts(96)[5]
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=draft, dspark_lookup=True)
-    assert draft.last_generation_stats.lookup_rounds > 0
+    assert last_generation_stats(draft).lookup_rounds > 0
     assert_context_is_the_targets(target, draft, seen, out)
 
 
@@ -127,19 +128,19 @@ def test_lookup_precedence_and_the_policy_never_sees_a_copy():
     seen = target.generate(start, max_new_tokens=12, do_sample=False)
     ids, max_new = torch.cat([seen, seen[:, : start.shape[1] + 3]], dim=1), 8
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
-    assert draft.last_generation_stats.lookup_rounds == 0  # the library default
+    assert last_generation_stats(draft).lookup_rounds == 0  # the library default
     draft.generation_config.dspark_lookup = True  # what a shipped draft records
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft)
-    assert draft.last_generation_stats.lookup_rounds > 0
+    assert last_generation_stats(draft).lookup_rounds > 0
     off = GenerationConfig(max_new_tokens=max_new, do_sample=False, dspark_lookup=False)
     target.generate(ids, generation_config=off, assistant_model=draft)  # the call's config overrides the draft's
-    assert draft.last_generation_stats.lookup_rounds == 0
+    assert last_generation_stats(draft).lookup_rounds == 0
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft, dspark_policy="adaptive:3")
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     assert stats.lookup_rounds > 0
     assert stats.summary()["lookup_rounds"] == stats.lookup_rounds
     target.generate(ids, max_new_tokens=max_new, do_sample=False, assistant_model=draft, dspark_lookup=False)
-    assert draft.last_generation_stats.lookup_rounds == 0
+    assert last_generation_stats(draft).lookup_rounds == 0
     with pytest.raises(ValueError, match="only applies"):
         target.generate(ids, max_new_tokens=4, dspark_lookup=True)
 
@@ -176,7 +177,7 @@ def _sample_counts(target, draft) -> tuple[np.ndarray, dict]:
     for _ in range(N):
         out = target.generate(PROMPT, generation_config=config, assistant_model=draft)
         counts[index[tuple(out[0, PROMPT.shape[1] :].tolist()[:WINDOW])]] += 1
-        for r in draft.last_generation_stats.rounds:
+        for r in last_generation_stats(draft).rounds:
             if r.source == "lookup":
                 info["lookup_verified"] += r.verified
                 info["lookup_accepted"] += r.accepted
@@ -211,7 +212,7 @@ def test_a_copy_verified_with_a_wrong_q_is_detected(sampling_setup, monkeypatch)
 
     def wrong_q(self, input_ids, *args, **kwargs):
         ids, logits = original(self, input_ids, *args, **kwargs)
-        if logits is None and self._pending is not None and self._pending.source == "lookup":
+        if logits is None and self._proposal is not None and self._proposal.source == "lookup":
             logits = torch.zeros(1, ids.shape[1] - input_ids.shape[1], VOCAB)
         return ids, logits
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from dspark_hf import last_generation_stats
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile, get_sps_profile, profile_sps
 
@@ -47,8 +48,8 @@ def test_greedy_identity_under_background_load(pair, cls, profile):
             out = target.generate(prompt, generation_config=config, assistant_model=draft)
             assert torch.equal(out, ref), f"{cls.__name__} at background load {load}"
             # every round counts: one that skipped drafting (the uniform policy under load) verified 0
-            verified += [r.verified for r in draft.last_generation_stats.rounds]
-            for r in draft.last_generation_stats.rounds:
+            verified += [r.verified for r in last_generation_stats(draft).rounds]
+            for r in last_generation_stats(draft).rounds:
                 if r.drafted:  # the scheduler's view is recorded next to what happened
                     assert len(r.survival) == len(r.drafted) and 0 <= r.predicted_accepted <= r.verified
         mean_verified.append(sum(verified) / len(verified))
@@ -106,6 +107,6 @@ def test_a_length_fixed_before_drafting_drafts_only_those_positions(pair):
         for prompt, ref in zip(prompts[:6], refs[:6]):
             out = target.generate(prompt, generation_config=config, assistant_model=draft)
             assert torch.equal(out, ref), policy
-            budget_ok = [r for r in draft.last_generation_stats.rounds if r.drafted]
+            budget_ok = [r for r in last_generation_stats(draft).rounds if r.drafted]
             lengths |= {len(r.drafted) for r in budget_ok[:-2]}  # the last rounds may be cut by the budget
         assert lengths == expected, (policy, lengths)

@@ -53,6 +53,7 @@ import transformers.generation.utils as generation_utils
 from scipy import stats
 from transformers import GenerationConfig
 
+from dspark_hf import last_generation_stats
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy
 from dspark_hf.scheduling.sps import SPSProfile
@@ -134,7 +135,7 @@ def _sample(target, draft, policy: str) -> tuple[np.ndarray, dict]:
         new = out[0, PROMPT.shape[1] :].tolist()
         assert len(new) == MAX_NEW_TOKENS
         counts[index[tuple(new[:WINDOW])]] += 1
-        for r in draft.last_generation_stats.rounds:
+        for r in last_generation_stats(draft).rounds:
             info["accepted"] += r.accepted
             info["verified"] += r.verified
             if r.drafted:  # a drafted round (not the final target-only step when the budget is spent)
@@ -275,8 +276,8 @@ def test_sampling_with_temperature_top_k_and_repetition_penalty_is_exact(setup):
     for _ in range(N):
         out = target.generate(PROMPT, generation_config=config, assistant_model=draft)
         counts[index[tuple(out[0, PROMPT.shape[1] : PROMPT.shape[1] + WINDOW].tolist())]] += 1
-        accepted += sum(r.accepted for r in draft.last_generation_stats.rounds)
-        verified += sum(r.verified for r in draft.last_generation_stats.rounds)
+        accepted += sum(r.accepted for r in last_generation_stats(draft).rounds)
+        verified += sum(r.verified for r in last_generation_stats(draft).rounds)
     nonzero = joint > 0  # top-k removes some continuations entirely: they must never appear
     assert counts[~nonzero].sum() == 0
     p_value = float(stats.chisquare(counts[nonzero], N * joint[nonzero] / joint[nonzero].sum()).pvalue)

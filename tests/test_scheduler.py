@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark_hf import last_generation_stats
 from dspark_hf.scheduling.policies import (
     ConfidenceThresholdPolicy,
     FixedPolicy,
@@ -100,16 +101,16 @@ def test_policy_precedence_in_generate():
     ids = torch.randint(0, 96, (1, 6))
     kw = dict(max_new_tokens=12, do_sample=False, assistant_model=draft)
     target.generate(ids, **kw)
-    assert draft.last_generation_stats.policy == repr(FixedPolicy())
+    assert last_generation_stats(draft).policy == repr(FixedPolicy())
     draft.generation_config.dspark_policy = "fixed:2"
     target.generate(ids, **kw)
-    assert draft.last_generation_stats.policy == repr(FixedPolicy(2))
+    assert last_generation_stats(draft).policy == repr(FixedPolicy(2))
     target.generate(
         ids, generation_config=GenerationConfig(max_new_tokens=12, dspark_policy="fixed:3"), assistant_model=draft
     )
-    assert draft.last_generation_stats.policy == repr(FixedPolicy(3))
+    assert last_generation_stats(draft).policy == repr(FixedPolicy(3))
     target.generate(ids, dspark_policy="threshold:0.1", **kw)
-    assert draft.last_generation_stats.policy == repr(ThresholdPolicy(0.1))
+    assert last_generation_stats(draft).policy == repr(ThresholdPolicy(0.1))
     assert draft.generation_config.dspark_policy == "fixed:2"  # a call's policy is for that call only
     with pytest.raises(ValueError, match="only applies"):
         target.generate(ids, max_new_tokens=3, dspark_policy="fixed")

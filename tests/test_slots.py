@@ -64,7 +64,7 @@ def test_round_copy_count_has_power(target, monkeypatch):
     """The old padded path (every row's past copied into the batch tensors, per row and layer) must break it."""
     import dspark_hf.decoding.engine as engine_module
     from dspark_hf.decoding.caches import SlotRow
-    from dspark_hf.decoding.engine_batch import ragged_target_forward
+    from dspark_hf.decoding.target_forward import ragged_target_forward
 
     def copying_forward(target, store, rows, keep, layer_ids=None):
         stores = [SlotRow(store, r) for r in range(len(rows))]

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark_hf import load_speculators_checkpoint
 from dspark_hf.decoding.caches import KVStore
-from dspark_hf.decoding.drafting import SequenceSampler, draft_block, ingest, sample_block
+from dspark_hf.decoding.drafting import SharedSampler, draft_block, ingest, sample_block
 from dspark_hf.model.modeling import block_attention_mask
 from speculators_reference import run_reference
 
@@ -138,7 +138,7 @@ def _greedy(draft, inputs, guessed_path):
     ingest(draft, stores, [feats[:a] for a in ANCHORS])
     anchors = ids[torch.tensor(ANCHORS)]
     hidden, base = draft_block(draft, stores, anchors)
-    sampler = SequenceSampler(None, anchors[:, None], do_sample=False)
+    sampler = SharedSampler(None, anchors[:, None], do_sample=False)
     block = sample_block(draft, hidden, base, anchors, sampler, guessed_path=guessed_path)
     return block.tokens, block.confidence_logits
 

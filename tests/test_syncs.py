@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_hf import DSparkEngine, HardwareAwarePolicy, SamplingParams, SPSProfile
+from dspark_hf import DSparkEngine, HardwareAwarePolicy, SamplingParams, SPSProfile, last_generation_stats
 from dspark_hf.decoding import drafting
+from dspark_hf.decoding.metrics import EngineMetrics
 from sync_counter import SyncCounter
 
 from helpers import make_aligned_draft, make_target
@@ -49,7 +50,7 @@ def _generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tuple[flo
         target.generate(
             _prompt(), max_new_tokens=MAX_NEW, assistant_model=draft, dspark_policy=_policy(), pad_token_id=0, **kwargs
         )
-    rounds = sum(1 for r in draft.last_generation_stats.rounds if r.drafted)
+    rounds = sum(1 for r in last_generation_stats(draft).rounds if r.drafted)
     assert rounds >= 5, rounds
     return counter.total / rounds, counter, rounds
 
@@ -57,18 +58,18 @@ def _generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tuple[flo
 def _put_back_int_token(monkeypatch):
     """The negative control: read every drafted token back to the host, as the old loop did."""
 
-    def draw(self, logits, _original=drafting.SequenceSampler.draw):
+    def draw(self, logits, _original=drafting.SharedSampler.draw):
         token = _original(self, logits)
         int(token[0])  # `prev = int(token)`, once per position
         return token
 
-    def rows_draw(self, logits, _original=drafting.RowsSampler.draw):
+    def rows_draw(self, logits, _original=drafting.PerRowSampler.draw):
         token = _original(self, logits)
         int(token[0])
         return token
 
-    monkeypatch.setattr(drafting.SequenceSampler, "draw", draw)
-    monkeypatch.setattr(drafting.RowsSampler, "draw", rows_draw)
+    monkeypatch.setattr(drafting.SharedSampler, "draw", draw)
+    monkeypatch.setattr(drafting.PerRowSampler, "draw", rows_draw)
 
 
 @pytest.mark.parametrize("gamma", [4, 8])
@@ -137,4 +138,103 @@ def test_engine_syncs_have_power(target, monkeypatch):
     draft.generation_config.dspark_guessed_path = False
     _put_back_int_token(monkeypatch)
     per_round, counter = _engine_syncs(target, draft, 4, do_sample=False, extra_files=(__file__,))
+    assert per_round > ENGINE_BOUND, (per_round, counter.by_site)
+
+
+# ---------------------------------------------------------------------- with prompt lookup on (issue 48)
+def _looping_prompt() -> torch.Tensor:
+    """A prompt that repeats itself, so prompt lookup finds copies from the first rounds on."""
+    return _prompt(3, 6).repeat(1, 3)
+
+
+def _new_tokens_site() -> str:
+    """`generation.py:<line>` of the one read of the round's new tokens (`_read_new_tokens`)."""
+    import inspect
+
+    from dspark_hf.decoding.generation import DSparkCandidateGenerator
+
+    lines, first = inspect.getsourcelines(DSparkCandidateGenerator._read_new_tokens)
+    return f"generation.py:{first + next(i for i, line in enumerate(lines) if '.tolist()' in line)}"
+
+
+_NEW_TOKENS_SITE = _new_tokens_site()
+
+
+def _lookup_generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tuple[SyncCounter, dict]:
+    kwargs = {"do_sample": True, "top_k": 0} if do_sample else {"do_sample": False}
+    torch.manual_seed(0)
+    with SyncCounter(extra_files) as counter:
+        target.generate(
+            _looping_prompt(), max_new_tokens=MAX_NEW, assistant_model=draft, dspark_policy=_policy(),
+            dspark_lookup=True, pad_token_id=0, **kwargs,
+        )  # fmt: skip
+    rounds = last_generation_stats(draft).rounds
+    kinds = {
+        "rounds": len(rounds),
+        "copies": sum(r.source == "lookup" for r in rounds),
+        "drafted": sum(r.source == "draft" and bool(r.drafted) for r in rounds),
+    }
+    assert kinds["copies"] >= 2 and kinds["drafted"] >= 2, kinds
+    return counter, kinds
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_generate_with_lookup_reads_the_new_tokens_not_the_sequence(target, do_sample):
+    """With lookup on, `generate()` searches an incremental index (`LookupIndex`, as the engine does) fed with the
+    round's new tokens: one read of them in a round that searches, plus a drafting round's one packed read. The
+    old rescan copied the whole sequence to the host and searched all of it every round (`lookup_continuation`)."""
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    counter, kinds = _lookup_generate_syncs(target, draft, do_sample)
+    reads_of_new_tokens = sum(n for (kind, site), n in counter.by_site.items() if site.endswith(_NEW_TOKENS_SITE))
+    assert reads_of_new_tokens <= kinds["rounds"], (kinds, counter.by_site)
+    assert counter.total <= kinds["rounds"] + kinds["drafted"] + 2, (kinds, counter.by_site)
+
+
+def test_generate_with_lookup_syncs_have_power(target, monkeypatch):
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    _put_back_int_token(monkeypatch)
+    counter, kinds = _lookup_generate_syncs(target, draft, False, extra_files=(__file__,))
+    assert counter.total > kinds["rounds"] + kinds["drafted"] + 2, (kinds, counter.by_site)
+
+
+def _lookup_engine_syncs(target, draft, extra_files=()) -> tuple[float, SyncCounter, EngineMetrics]:
+    engine = DSparkEngine(target, draft, policy=_policy(), max_batch_size=4, lookup=True)
+    for seed in range(4):
+        engine.add_request(_looping_prompt()[0].roll(seed).tolist(), SamplingParams(max_new_tokens=24))
+    engine.step()  # admission and prefill
+    with SyncCounter(extra_files) as counter:
+        while engine.has_unfinished():
+            engine.step()
+    m = engine.metrics
+    assert m.lookup_rounds >= 2 and m.drafting_rounds >= 2, (m.lookup_rounds, m.drafting_rounds)
+    return counter.total / m.rounds, counter, m
+
+
+def test_engine_with_lookup_adds_no_read(target):
+    """The engine's tokens are on the host already: copy rounds stay within the engine's per-round bound."""
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    per_round, counter, _ = _lookup_engine_syncs(target, draft)
+    assert per_round <= ENGINE_BOUND, (per_round, counter.by_site)
+
+
+def _rescan_the_sequence(monkeypatch):
+    """The negative control: search each row's whole sequence on the device every round, as `generate()` did
+    before issue 48 (a copy of the sequence to the device and `lookup_continuation`'s copy back)."""
+    from dspark_hf.decoding import lookup
+
+    def continuation(self, generated, limit=None):
+        ids = torch.tensor(self.ids[: self._prompt] + list(generated), device="cpu")  # as if on the device
+        return lookup.lookup_continuation(ids, self.config, limit)
+
+    monkeypatch.setattr(lookup.LookupIndex, "continuation", continuation)
+
+
+def test_engine_with_lookup_syncs_have_power(target, monkeypatch):
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    _rescan_the_sequence(monkeypatch)
+    per_round, counter, _ = _lookup_engine_syncs(target, draft, extra_files=(__file__,))
     assert per_round > ENGINE_BOUND, (per_round, counter.by_site)

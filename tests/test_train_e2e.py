@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, last_generation_stats
 from dspark_hf.cli import main as cli_main
 from dspark_hf.train import DataArguments, ModelArguments, TrainArguments, load_token_dataset, train
 from dspark_hf.train import features as features_mod
@@ -104,7 +104,7 @@ def test_prepare_train_save_load_generate_lossless(tiny, tmp_path):
     )["input_ids"]
     kw = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=1)
     assert torch.equal(target.generate(ids, assistant_model=draft, **kw), target.generate(ids, **kw))
-    assert draft.last_generation_stats.num_rounds > 0
+    assert last_generation_stats(draft).num_rounds > 0
 
 
 def _train_tiny(tmp_path, name, model_args, target, ds, feature_cache=None):

@@ -26,6 +26,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from dspark_hf import last_generation_stats
 from dspark_hf.train import DataArguments, ModelArguments, TrainArguments, train
 from dspark_hf.train.data import load_token_dataset
 from train_helpers import make_char_tokenizer, make_chat_target, sampled_data
@@ -48,7 +49,7 @@ def _measured_tau(target, tok, draft, num_prompts: int) -> tuple[float, float, i
         torch.manual_seed(1000 + i)
         with torch.no_grad():
             target.generate(ids, generation_config=config, assistant_model=draft)
-        per_round += [r.accepted + 1 for r in draft.last_generation_stats.rounds if r.verified == GAMMA]
+        per_round += [r.accepted + 1 for r in last_generation_stats(draft).rounds if r.verified == GAMMA]
     t = torch.tensor(per_round, dtype=torch.float64)
     return float(t.mean()), float(t.std() / math.sqrt(len(t))), len(t)
 

@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from dspark_hf import _transformers as api
+from dspark_hf import last_generation_stats
 
 from helpers import make_target
 
@@ -106,7 +107,7 @@ def test_speculative_generate_records_features_without_transformers_capturing_ho
     assert api.can_record(target, draft.config.target_layer_ids)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
     spec = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, dspark_policy="fixed")
-    assert max(r.accepted for r in draft.last_generation_stats.rounds) >= 2  # the draft had real context
+    assert max(r.accepted for r in last_generation_stats(draft).rounds) >= 2  # the draft had real context
     assert torch.equal(spec, target.generate(ids, max_new_tokens=24, do_sample=False))
     # transformers' output_hidden_states was never asked for (it would have left capturing hooks everywhere),
     # and the call's own hooks are gone

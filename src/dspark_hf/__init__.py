@@ -4,7 +4,7 @@
 import dspark_hf                      # registers the Auto classes and the generate() hook
 draft = dspark_hf.DSparkDraftModel.from_target(target)
 out = target.generate(**inputs, assistant_model=draft)
-print(draft.last_generation_stats.tau)
+print(dspark_hf.last_generation_stats(draft).tau)
 ```
 
 Importing this package stays light: it pulls in torch and transformers only (no accelerate, peft, datasets,
@@ -31,6 +31,7 @@ from .kernels import (
 from .model.configuration import DSparkConfig, default_target_layer_ids
 from .model.formats import export_deepspec
 from .model.modeling import DSparkDraftModel, DSparkOutput, load_deepspec_checkpoint, load_speculators_checkpoint
+from .model.runs import last_generation_stats
 from .model.speculators_format import export_speculators
 from .scheduling.policies import (
     AdaptivePolicy,
@@ -55,6 +56,7 @@ __all__ = [
     "DSparkConfig",
     "DSparkDraftModel",
     "DSparkEngine",
+    "last_generation_stats",
     "DSparkOutput",
     "AdaptivePolicy",
     "FixedPolicy",

@@ -7,6 +7,7 @@ import copy
 import statistics
 import time
 
+from ..model.runs import last_generation_stats
 from ._common import UserError, model_source
 from .arguments import SpeculationArguments, add_speculation_arguments
 
@@ -73,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
     inputs = chat_inputs(tokenizer, args.prompt, target.device)
     configs = _method_configs(args, target, tokenizer, speculation, options.kernels)
     outs, times = _timed_methods(args, target, draft, inputs, configs)
-    stats = draft.last_generation_stats
+    stats = last_generation_stats(draft)
     prompt_len = inputs["input_ids"].shape[1]
     tps = {name: (outs[name].shape[1] - prompt_len) / statistics.median(times[name]) for name in outs}
     print(f"\n{tokenizer.decode(outs['spec'][0, prompt_len:], skip_special_tokens=True)}\n")

@@ -31,10 +31,10 @@ import weakref
 import torch
 from torch import nn
 
-from ..model.heads import ConfidenceHead, MarkovHead
 from .._transformers import forward_hooks, has_forward_pre_hooks
 from ..kernels import is_exact, is_exact_norm, is_lean, lean_arguments
 from ..kernels.build import backend as exact_backend
+from ..model.heads import ConfidenceHead, MarkovHead
 from .caches import KVStore
 
 
@@ -76,6 +76,11 @@ class CompiledRound:
         self.conf_bias = None if conf is None or conf.proj.bias is None else conf.proj.bias.detach()
         self.conf_markov = conf is not None and conf.with_markov
         self.capacity = max_tokens + self.gamma
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the exact kernels' extension (which holds the compiled calls) is built."""
+        return exact_backend() is not None
 
     @classmethod
     def create(cls, draft, max_tokens: int) -> CompiledRound | None:

@@ -31,14 +31,14 @@ useful as a check that the step has no graph break (`tests/test_graphs.py`).
 [`DraftStepGraphs`] runs the step for `generate()` (R = 1; written for R rows): it mirrors each row's
 [`KVStore`] into the padded buffer (the new tokens only), fills the length, anchor and noise buffers, and
 replays one graph per `(rows, capacity)` bucket, captured on first use after a warm-up on a side stream.
-Captured graphs live on the draft in a bounded LRU cache ([`GraphCache`]) keyed by the sampling mode, the
-logits processors' settings and the draft's weights, so later `generate()` calls reuse them.
+Captured graphs live beside the draft (not on it) in a bounded LRU cache ([`graph_cache`]) keyed by the sampling
+mode, the logits processors' settings and the draft's weights, so later `generate()` calls reuse them.
 
 The option `cuda_graphs` (on by default for a CUDA draft, off elsewhere) is resolved with every other option by
 `dspark_hf.decoding.options.resolve_options`. When it is on but the graph path cannot run (the draft is not on a
 CUDA device, a logits processor outside `TemperatureLogitsWarper` / `TopKLogitsWarper` / `TopPLogitsWarper`,
 which read only the scores, or a capture that raised), the call runs the eager path and logs the reason once (a
-warning); `draft.last_generation_stats.cuda_graphs` says whether the graph path ran and
+warning); `dspark_hf.last_generation_stats(draft).cuda_graphs` says whether the graph path ran and
 `cuda_graphs_fallback` why not. The greedy guessed path (a host read per round) does not apply to the graph
 path.
 """
@@ -52,7 +52,7 @@ from collections import OrderedDict
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .drafting import BlockScores, DraftedBlock, SequenceSampler, sample_block, score_block
+from .drafting import BlockScores, DraftedBlock, SharedSampler, sample_block, score_block
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def padded_draft_step(
     hidden = draft.run_backbone(draft.embed_tokens(block), positions, context, mask)
     base_logits = draft.draft_logits(hidden)
     seq = input_ids if input_ids is not None else anchors[:, None]
-    sampler = SequenceSampler(processors, seq, do_sample, noise=noise)
+    sampler = SharedSampler(processors, seq, do_sample, noise=noise)
     drafted = sample_block(draft, hidden, base_logits, anchors, sampler, guessed_path=False)
     return drafted, score_block(drafted, temperatures)
 
@@ -227,7 +227,7 @@ def _capture(step, device: torch.device):
 
 # ---------------------------------------------------------------------- the per-draft cache
 class GraphCache:
-    """Captured draft steps of one draft (`draft._step_graphs`), least recently used first out.
+    """Captured draft steps of one draft ([`graph_cache`]), least recently used first out.
 
     Entries are keyed by `(mode, rows, capacity)`; the whole cache is dropped when the draft's weights, dtype or
     device change (a graph reads the memory it was captured with). `failed` remembers modes whose capture
@@ -270,12 +270,22 @@ def _weights_key(draft) -> tuple:
     return (str(draft.device), draft.dtype, *((id(t), t.data_ptr(), t._version) for t in tensors))
 
 
+#: Each draft's captured steps, beside the draft rather than on the `nn.Module`: they outlive a `generate()` call
+#: (the next call replays them) and go with the draft (a weak reference: a draft that is gone frees its graphs).
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def graph_cache(draft) -> GraphCache:
-    """The draft's [`GraphCache`], made on first use."""
-    cache = getattr(draft, "_step_graphs", None)
+    """The draft's [`GraphCache`], made on first use (a copy of the draft gets its own)."""
+    cache = _CACHES.get(draft)
     if cache is None:
-        cache = draft._step_graphs = GraphCache()
+        cache = _CACHES[draft] = GraphCache()
     return cache
+
+
+def clear_graph_cache(draft) -> None:
+    """Drop every step captured for `draft` (they are captured again on next use)."""
+    _CACHES.pop(draft, None)
 
 
 def _processors_key(processors) -> tuple:
@@ -322,7 +332,7 @@ class DraftStepGraphs:
                 reason = f"capturing the draft step raised {type(err).__name__}: {err}"
                 self.cache.failed[self.mode] = reason
                 self.disabled = True
-                _fall_back(reason, explicit=True, stats=self.stats)
+                report_fallback(reason, explicit=True, stats=self.stats)
                 return None
             self.cache.put(key, entry)
         entry.load(stores, anchors, generator)
@@ -345,28 +355,8 @@ def graph_unavailable(draft, processors) -> str | None:
     return None
 
 
-def draft_step_graphs(draft, requested: bool, processors, do_sample: bool, stats=None) -> DraftStepGraphs | None:
-    """The graph path for one `generate()` call, or `None` to run the eager path.
-
-    `requested` is the call's resolved `cuda_graphs` option (`dspark_hf.decoding.options`: on by default for a
-    CUDA draft). When it is on but the graph path cannot run, logs the reason once for the call (a warning) and
-    records it in `stats.cuda_graphs_fallback`.
-    """
-    if not requested:
-        return None
-    reason = graph_unavailable(draft, processors)
-    mode_failed = None
-    if reason is None:
-        runner = DraftStepGraphs(draft, processors, do_sample, stats=stats)
-        mode_failed = runner.cache.failed.get(runner.mode)
-        if mode_failed is None:
-            return runner
-        reason = f"an earlier capture failed ({mode_failed})"
-    _fall_back(reason, explicit=True, stats=stats)
-    return None
-
-
-def _fall_back(reason: str, explicit: bool, stats) -> None:
+def report_fallback(reason: str, explicit: bool, stats) -> None:
+    """Log once why the graph path is off (a warning where it was asked for) and record it in `stats`."""
     if stats is not None:
         stats.cuda_graphs_fallback = reason
     log = logger.warning if explicit else logger.info

@@ -78,8 +78,10 @@ def exponential_race(
     return (probs / noise.to(probs.device, probs.dtype)).argmax(dim=-1)
 
 
-class SequenceSampler:
-    """R = 1 sampler for `generate()`: transformers' logits processors over the running sequence `[1, T]`.
+class SharedSampler:
+    """The sequential head's sampler when every row shares one set of processors and one random source:
+    `generate()`'s (R = 1, transformers' processors over the running sequence `[1, T]`) and the graphed step's.
+    The engine's rows each bring their own: [`PerRowSampler`].
 
     Args:
         processors (`LogitsProcessorList`, *optional*): the target's processors, applied to the draft alike.
@@ -116,11 +118,12 @@ class SequenceSampler:
             self.seq = torch.cat([self.seq, tokens[:, None].to(self.seq.device)], dim=-1)
 
 
-class RowsSampler:
-    """Sampler for R engine rows, each with its own processors, mode and generator (`RowSampler`s).
+class PerRowSampler:
+    """The sequential head's sampler when each row brings its own processors, mode and generator: the engine's R
+    requests, each a `RequestSampler` (`dspark_hf.decoding.target_forward`). One shared set: [`SharedSampler`].
 
     Args:
-        samplers (`list`): one `RowSampler` (`processors`, `do_sample`, `generator`) per row.
+        samplers (`list`): one `RequestSampler` (`processors`, `do_sample`, `generator`) per row.
         histories (`list[list[int]]`, *optional*): each row's prompt and output so far; needed only by rows
             with processors, whose history becomes a device tensor once per round.
         device (`torch.device`): the draft's device.
@@ -365,7 +368,7 @@ def sample_block(
     Args:
         hidden (`torch.Tensor` of shape `(R, γ, d)`), base_logits: from [`draft_block`].
         anchors (`torch.LongTensor` of shape `(R,)`): each row's previous token for position 0.
-        sampler ([`SequenceSampler`] or [`RowsSampler`]): processors, draws and the running history.
+        sampler ([`SharedSampler`] or [`PerRowSampler`]): processors, draws and the running history.
         guessed_path (`bool`, *optional*): use the greedy guessed path (module docs); the drivers pass
             their resolved `guessed_path` option (`dspark_hf.decoding.options`); `None` is on for a CPU draft and
             off elsewhere. Only used for

@@ -5,15 +5,13 @@ A round ([`DSparkEngine.step`]) does, for all active requests at once:
 1. **admit** queued requests while fewer than `max_batch_size` are active and their KV reservations
    (prompt + `max_new_tokens`) fit in `max_tokens`; a newly admitted request gets its **prefill** (one
    batched target forward over the new prompts, no drafts) and its first token;
-2. **draft**: with prompt lookup on, first a search of each request's context for a copy; a round in which
-   some request has one (and it pays) verifies the copies instead of drafting (`lookup` below). Otherwise one
-   batched draft-backbone forward for every decoding request, then the sequential head (batched over
-   requests, each request's own logits processors and random generator);
-3. **schedule**: the verification policy sees the whole batch's survival matrix `[R, γ]` (and the target's
-   SPS profile) and picks each request's verification length `ℓ_r`;
-4. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
-   `dspark_hf.decoding.engine_batch`), then per-request acceptance (greedy, or exact rejection sampling);
-5. **commit**: each request's length in its KV slot advances by its committed tokens (rejected drafts stay
+2. **propose**: the [`Speculator`] (`dspark_hf.decoding.speculator`, the same round `generate()` runs with one
+   row) proposes for every decoding request at once: the requests' prompt-lookup copies where they pay, else
+   one batched draft (backbone, then the sequential head with each request's own processors and generator),
+   with each request's verification length `ℓ_r` from the policy over the batch's survival matrix `[R, γ]`;
+3. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
+   `dspark_hf.decoding.target_forward`), then per-request acceptance (greedy, or exact rejection sampling);
+4. **commit**: each request's length in its KV slot advances by its committed tokens (rejected drafts stay
    beyond it, masked, until overwritten: that is the rollback), their target features wait for the draft's
    next drafting round (a round that does not draft never runs the draft), and accepted tokens are emitted
    with incrementally decoded text. Finished requests free their reservations, which lets queued ones in.
@@ -42,36 +40,36 @@ import contextlib
 import functools
 import itertools
 import logging
-import math
-import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 
 from ..kernels import build_exact_kernels, use_kernels
-from ..scheduling.policies import ScheduleContext, uniform_length
-from . import draft_graphs
+from ..scheduling.policies import ScheduleContext
+from .backends import BackendSetup
 from .caches import SlotKV, SlotRow
-from .drafting import (
-    RowsSampler,
-    draft_block,
-    empty_round_stats,
-    ingest,
-    read_round,
-    round_stats,
-    sample_block,
-    score_block,
-    verified_lengths,
+from .drafting import PerRowSampler, sample_block
+from .lookup import LookupGate
+from .metrics import EngineMetrics
+from .options import resolve_options
+from .requests import (
+    Request,
+    RequestOutput,
+    SamplingParams,
+    StreamEvent,
+    check_params,
+    new_text,
+    per_prompt,
+    tokenize_prompt,
 )
-from .engine_batch import (
+from .speculator import DraftRow, Proposal, Speculator
+from .stats import GenerationStats
+from .target_forward import (
     LAYOUTS,
-    RowSampler,
-    accept_copy_row,
-    accept_greedy_rows,
-    accept_row,
+    RequestSampler,
+    accept_rows,
     build_processors,
     choose_layout,
     commit_rows,
@@ -80,141 +78,8 @@ from .engine_batch import (
     ragged_target_forward,
     slot_target_forward,
 )
-from .lookup import LookupGate, LookupIndex
-from .metrics import EngineMetrics
-from .options import resolve_options
-from .stats import GenerationStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SamplingParams:
-    """How one request is decoded.
-
-    Args:
-        max_new_tokens (`int`, *optional*, defaults to 64): tokens to generate at most.
-        do_sample (`bool`, *optional*, defaults to `False`): sample (exact rejection sampling) or greedy.
-        temperature (`float`, *optional*, defaults to 1.0): sampling temperature (ignored when greedy).
-        top_k (`int`, *optional*): keep the `top_k` most likely tokens (sampling only).
-        top_p (`float`, *optional*): nucleus sampling mass (sampling only).
-        repetition_penalty (`float`, *optional*): as in transformers (greedy and sampling).
-        eos_token_id (`int` or `list[int]`, *optional*): stop tokens; defaults to the target's
-            `generation_config.eos_token_id`.
-        ignore_eos (`bool`, *optional*, defaults to `False`): never stop at an EOS token.
-        seed (`int`, *optional*): seed of the request's random generator (default: drawn from torch's global
-            generator when the request is added, so `torch.manual_seed` makes runs reproducible).
-    """
-
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    eos_token_id: int | list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-
-
-@dataclass
-class RequestOutput:
-    """The result of one request.
-
-    Args:
-        request_id (`int`): the id [`DSparkEngine.add_request`] returned.
-        prompt_token_ids (`list[int]`): the tokenized prompt (empty if it could not be built).
-        token_ids (`list[int]`): generated tokens (the EOS token included when generation stopped there).
-        text (`str`, *optional*): `token_ids` decoded (with the engine's tokenizer, special tokens skipped).
-        finish_reason (`str`): `"eos"`, `"length"` (`max_new_tokens`), `"context"` (the target's context
-            is full) or `"error"`.
-        error (`str`, *optional*): why the request was refused (the other requests are not affected).
-        stats ([`GenerationStats`], *optional*): the request's speculative rounds (τ, lengths, acceptance).
-        times (`dict[str, float]`): `perf_counter` stamps `added`, `admitted`, `first_token`, `finished`.
-    """
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None = None
-    finish_reason: str = "length"
-    error: str | None = None
-    stats: GenerationStats | None = None
-    times: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        """`bool`: whether the request ran (no error)."""
-        return self.error is None
-
-    def summary(self) -> dict:
-        """Per-request statistics: τ, mean verification length, acceptance per position, tokens/s, latencies."""
-        t = self.times
-        out = {"request_id": self.request_id, "new_tokens": len(self.token_ids), "finish_reason": self.finish_reason}
-        if self.stats is not None:
-            out.update(
-                rounds=self.stats.num_rounds,
-                tau=self.stats.tau,
-                mean_verification_length=self.stats.mean_verified,
-                acceptance_by_position=self.stats.acceptance_by_position,
-            )
-        if "finished" in t and "admitted" in t:
-            busy = t["finished"] - t["admitted"]
-            out.update(
-                queue_seconds=t["admitted"] - t["added"],
-                time_to_first_token=t.get("first_token", t["finished"]) - t["added"],
-                latency_seconds=t["finished"] - t["added"],
-                tokens_per_second=len(self.token_ids) / busy if busy > 0 else math.nan,
-            )
-        return out
-
-
-@dataclass
-class StreamEvent:
-    """Tokens accepted for one request in one round (what [`DSparkEngine.stream`] yields).
-
-    Args:
-        request_id (`int`): the request.
-        token_ids (`list[int]`): newly accepted tokens (may be empty for a finished, failed request).
-        text (`str`, *optional*): their text (the decoded difference), with a tokenizer.
-        finished (`bool`): whether the request is done; then `output` holds its [`RequestOutput`].
-        output ([`RequestOutput`], *optional*): the final result, on the last event of a request.
-    """
-
-    request_id: int
-    token_ids: list[int]
-    text: str | None = None
-    finished: bool = False
-    output: RequestOutput | None = None
-
-
-@dataclass
-class _Request:
-    """Engine-side state of one request (not part of the public API)."""
-
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    sampler: RowSampler
-    eos: set[int]
-    max_new: int
-    reserve: int
-    times: dict[str, float]
-    stats: GenerationStats
-    tokens: list[int] = field(default_factory=list)
-    kv: SlotRow | None = None  # the request's slot in the engine's target KV (and `dkv` in the draft's)
-    dkv: SlotRow | None = None
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft's context
-    text_done: int = 0  # tokens whose text has been streamed (incremental detokenisation)
-    text_prefix: int = 0  # where the decoded window starts (the previous call's `text_done`)
-    text_len: int = 0  # characters streamed
-    text: str | None = None  # the whole output's text, once finished
-    finish_reason: str | None = None
-    lookup: LookupIndex | None = None  # the n-gram index of prompt + output, with prompt lookup on
-
-    @property
-    def pending_tokens(self) -> int:
-        return sum(f.shape[0] for f in self.pending)
 
 
 class DSparkEngine:
@@ -237,7 +102,7 @@ class DSparkEngine:
             while active. Defaults to `max_batch_size ×` the target's context length.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
             `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
-            `dspark_hf.decoding.engine_batch` and `docs/engine.md` for which is faster where).
+            `dspark_hf.decoding.target_forward` and `docs/engine.md` for which is faster where).
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
         kernels (`str`, *optional*): the CPU kernel mode of the target's (and draft's) forwards, with or
@@ -247,7 +112,8 @@ class DSparkEngine:
             same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (512) tokens (a
             longer prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at
             different shapes); the rounds run the padded layout. Defaults to the draft's own default, then the
-            library's. The models are switched while the engine has work and switched back when it is idle.
+            library's (`dspark_hf.kernels.default_kernels`). The models are switched while the engine has work and
+            switched back when it is idle.
         cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
             it eagerly); unset, the draft's default, else on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
@@ -295,7 +161,6 @@ class DSparkEngine:
         self.speculate = draft is not None and policy != "none"
         self.draft = draft if self.speculate else None
         self.gamma = draft.config.block_size if self.speculate else 0
-        self.schedule_context = ScheduleContext()
         call = {
             "policy": policy,
             "lookup": lookup,
@@ -323,23 +188,18 @@ class DSparkEngine:
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
-            if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
-                if sps is None:
-                    from ..scheduling.sps import get_sps_profile
+            if self.policy.needs_sps and getattr(self.policy, "sps", None) is None and sps is None:
+                from ..scheduling.sps import get_sps_profile
 
-                    with use_kernels(target, mode=self.kernels):  # measured on the kernels it will run
-                        sps = get_sps_profile(target)
-                self.schedule_context.sps = sps.sps
-            self.temperatures = torch.tensor(
-                draft.config.calibration_temperatures, dtype=torch.float32, device=draft.device
-            )
-        self.lookup_gate = LookupGate() if self.lookup is not None else None
-        self.graphs = self._draft_graphs(self.options.cuda_graphs) if self.speculate else None
-        self.graph_rounds = 0  # rounds whose draft step ran on the graph path
+                with use_kernels(target, mode=self.kernels):  # measured on the kernels it will run
+                    sps = get_sps_profile(target)
+        # the round's draft side (policy, prompt lookup and its gate, the drafting backend): one Speculator, R rows
+        setup = BackendSetup(rows=max_batch_size, per_row_sampling=True)
+        self.speculator = Speculator(draft, target, self.options, setup, sps=sps) if self.speculate else None
         self.layer_ids = list(draft.config.target_layer_ids) if self.speculate else None
         self.metrics = EngineMetrics(block_size=max(self.gamma, 1))
-        self._queue: deque[_Request] = deque()
-        self._active: list[_Request] = []
+        self._queue: deque[Request] = deque()
+        self._active: list[Request] = []
         self._failed: list[RequestOutput] = []
         self._reserved = 0
         # every active request owns one slot (batch row) of these preallocated stores, written in place
@@ -363,7 +223,7 @@ class DSparkEngine:
         self.metrics.requests_added += 1
         ids: list[int] = []
         try:
-            ids = self._tokenize(prompt)
+            ids = tokenize_prompt(self.tokenizer, prompt)
             req = self._make_request(rid, ids, params, times)
         except (ValueError, TypeError) as err:
             self._failed.append(
@@ -453,7 +313,7 @@ class DSparkEngine:
         Events of other requests (added with [`add_request`]) are kept for the next [`step`] call.
         """
         prompts = list(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, _per_prompt(sampling_params, len(prompts)))]
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt(sampling_params, len(prompts)))]
         pending = set(ids)
         while pending:
             for event in self.step():
@@ -482,29 +342,7 @@ class DSparkEngine:
         return [outputs[k] for k in sorted(outputs)]
 
     # ------------------------------------------------------------------ request intake
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] == 1:
-                prompt = prompt[0]
-            if prompt.dim() != 1:
-                raise ValueError(f"a tensor prompt must be 1-D or [1, T], got shape {tuple(prompt.shape)}.")
-            return prompt.tolist()
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping)):
-            if self.tokenizer is None:
-                raise ValueError("text and chat-message prompts need a tokenizer: DSparkEngine(..., tokenizer=tok).")
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt)["input_ids"])
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
-            return list(ids[0] if ids and isinstance(ids[0], list) else ids)
-        if isinstance(prompt, Iterable):
-            ids = list(prompt)
-            if not all(isinstance(t, int) for t in ids):
-                raise TypeError("a prompt list must hold token ids (int) or chat messages (dict).")
-            return ids
-        raise TypeError(f"unsupported prompt type {type(prompt).__name__}: use token ids, a string or chat messages.")
-
-    def _make_request(self, rid: int, ids: list[int], params: SamplingParams, times: dict) -> _Request:
+    def _make_request(self, rid: int, ids: list[int], params: SamplingParams, times: dict) -> Request:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token (the target needs a context).")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -515,7 +353,7 @@ class DSparkEngine:
                 f"the prompt has {len(ids)} tokens but the target's context holds {self.context_limit}; shorten it "
                 "so at least one token can be generated."
             )
-        _check_params(params)
+        check_params(params)
         max_new = min(params.max_new_tokens, self.context_limit - len(ids))
         reserve = len(ids) + max_new
         if reserve > self.max_tokens:
@@ -529,28 +367,30 @@ class DSparkEngine:
         eos = set() if eos is None or params.ignore_eos else {eos} if isinstance(eos, int) else set(eos)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        sampler = RowSampler(build_processors(params), params.do_sample, generator)
+        sampler = RequestSampler(build_processors(params), params.do_sample, generator)
         policy = repr(self.policy) if self.policy is not None else "none"
         stats = GenerationStats(block_size=max(self.gamma, 1), policy=policy)
-        return _Request(rid, ids, params, sampler, eos, max_new, reserve, times, stats)
+        return Request(rid, ids, params, sampler, eos, max_new, reserve, times, stats)
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[Request]:
         admitted = []
         while self._queue and len(self._active) < self.max_batch_size and self._fits(self._queue[0]):
             req = self._queue.popleft()
             req.kv = SlotRow(self._kv, self._kv.add(req))
-            req.dkv = SlotRow(self._dkv, self._dkv.add(req)) if self.speculate else None
+            if self.speculate:
+                req.dkv = SlotRow(self._dkv, self._dkv.add(req))
+                req.draft = DraftRow(req.dkv, req.prompt, req.tokens, stats=req.stats)
             req.times["admitted"] = time.perf_counter()
             self._reserved += req.reserve
             self._active.append(req)
             admitted.append(req)
         return admitted
 
-    def _row_tokens(self, req: _Request) -> int:
+    def _row_tokens(self, req: Request) -> int:
         """Tokens a slot of `req` may need: its reservation and one round's scratch (anchor + γ drafts)."""
         return req.reserve + self.gamma + 1
 
-    def _fits(self, req: _Request) -> bool:
+    def _fits(self, req: Request) -> bool:
         """Whether admitting `req` keeps the reservations, and the slot buffers (every slot as long as the
         longest request's), within `max_tokens`. A request alone is always admitted (it fits by itself)."""
         if not self._active:
@@ -569,7 +409,7 @@ class DSparkEngine:
         return True
 
     # ------------------------------------------------------------------ rounds
-    def _prefill(self, reqs: list[_Request], events: list[StreamEvent]) -> None:
+    def _prefill(self, reqs: list[Request], events: list[StreamEvent]) -> None:
         start = time.perf_counter()
         out = ragged_target_forward(
             self.target, [r.kv for r in reqs], [r.prompt for r in reqs], [[len(r.prompt) - 1] for r in reqs],
@@ -582,55 +422,70 @@ class DSparkEngine:
             logits = req.sampler.process(req.prompt, out.logits[i])
             firsts.append(req.sampler.pick(logits[0]))
             if self.speculate:  # ingested by the draft when it next drafts (a round that does not, never pays)
-                req.pending.append(out.features[i])
+                req.draft.pending.append(out.features[i])
         for req, token in zip(reqs, firsts):
             req.times["first_token"] = time.perf_counter()
             self._emit(req, [token], events)
         self.metrics.prefill_forwards += 1
         self.metrics.prefill_seconds += time.perf_counter() - start
 
-    def _decode_round(self, reqs: list[_Request], events: list[StreamEvent]) -> None:
+    def _decode_round(self, reqs: list[Request], events: list[StreamEvent]) -> None:
+        """One round: the speculator proposes (copies, a drafted block, or nothing), ONE target forward verifies
+        every row, each row accepts and commits, and the speculator learns the outcome."""
         t0 = time.perf_counter()
-        anchors = [r.tokens[-1] for r in reqs]
         # the round always emits one target token, so at most `remaining - 1` drafts can be useful
         budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
-        drafted = [[] for _ in reqs]
-        lengths = [0] * len(reqs)
-        block = host = None
-        context = self.schedule_context
-        context.planned_length = None
-        t_head, catch_up = t0, 0.0
-        copies = self._copies(reqs, budgets)  # a copy round (`None`: none, or the gate declines) does not draft
-        if copies is not None:
-            drafted, lengths = copies, [len(c) for c in copies]
-        elif self.speculate and max(budgets) > 0:
-            # a policy may fix the length before drafting; 0 means this round is a plain decoding step
-            context.planned_length = self.policy.plan_length(len(reqs), self.gamma, context)
-        if copies is None and self.speculate and max(budgets) > 0 and context.planned_length != 0:
-            catch_up = self._ingest_pending(reqs)
-            anchor_ids = torch.tensor(anchors, device=self.draft.device)
-            graphed = None
-            if self.graphs is not None and all(not r.sampler.do_sample and not r.sampler.processors for r in reqs):
-                graphed = self.graphs.run([r.dkv for r in reqs], anchor_ids)  # one replay (None: capture failed)
-            if graphed is not None:
-                t_head = time.perf_counter()
-                block, scores = graphed
-                self.graph_rounds += 1
-            else:
-                # only the positions a length fixed before drafting can verify (all of them without one)
-                hidden, base = draft_block(self.draft, self._dkv, anchor_ids, positions=context.planned_length)
-                t_head = time.perf_counter()
-                histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
-                sampler = RowsSampler([r.sampler for r in reqs], histories, self.draft.device)
-                block = sample_block(
-                    self.draft, hidden, base, anchor_ids, sampler, guessed_path=self.options.guessed_path
-                )
-                scores = score_block(block, self.temperatures)
-            host = read_round(block, scores)
-            drafted = host.tokens
-            lengths = verified_lengths(self.policy, context, host, budgets, [r.eos for r in reqs])
+        proposal = self._propose(reqs, budgets)
         t1 = time.perf_counter()
-        rows = [[a] + d[:n] for a, d, n in zip(anchors, drafted, lengths)]
+        rows = [[r.tokens[-1]] + d[:n] for r, d, n in zip(reqs, proposal.tokens, proposal.lengths)]
+        out = self._target_forward(reqs, rows)
+        copied = proposal.source == "lookup"
+        outcomes = self._accept(reqs, proposal.block, proposal.tokens, proposal.lengths, out.logits, copied=copied)
+        accepted = [n for n, _ in outcomes]
+        committed = [n + 1 for n in accepted]  # the anchor and the accepted drafts (that is the rollback)
+        if out.new_kv is None:
+            for req, c in zip(reqs, committed):
+                self._kv.lengths[req.kv.slot] += c
+        else:
+            commit_rows(self._kv, [r.kv.slot for r in reqs], out.new_kv, committed)
+        computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
+        if self.speculate:  # the committed tokens' features wait for the draft's next drafting round
+            for i, req in enumerate(reqs):
+                req.draft.pending.append(out.features[i][: accepted[i] + 1])
+            self.speculator.observe([r.draft for r in reqs], proposal, accepted, computed, time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        for i, req in enumerate(reqs):
+            self.metrics.record_request_round(
+                proposal.lengths[i], accepted[i], copied=copied and bool(proposal.tokens[i])
+            )
+            self._emit(req, proposal.tokens[i][: accepted[i]] + [outcomes[i][1]], events)
+        m = self.metrics
+        m.rounds += 1
+        m.forward_tokens += sum(len(row) for row in rows)
+        m.queue_length_sum += len(self._queue)
+        m.draft_seconds += t1 - t0
+        m.verify_seconds += t2 - t1
+        m.computed_tokens += computed
+        m.drafting_rounds += proposal.source == "draft"
+        m.lookup_rounds += copied
+
+    def _propose(self, reqs: list[Request], budgets: list[int]) -> Proposal:
+        """The speculator's proposal for the rows (without speculation: nothing, a plain round)."""
+        if not self.speculate:
+            return Proposal("plain", [[] for _ in reqs], [0] * len(reqs))
+        greedy = all(not r.sampler.do_sample and not r.sampler.processors for r in reqs)
+        anchors, eos = [r.tokens[-1] for r in reqs], [r.eos for r in reqs]
+        head = functools.partial(self._head, reqs)
+        return self.speculator.propose([r.draft for r in reqs], anchors, budgets, eos, head=head, greedy=greedy)
+
+    def _head(self, reqs: list[Request], hidden: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor):
+        """The sequential head for the rows, each with its own processors, mode and generator."""
+        histories = [r.prompt + r.tokens if r.sampler.processors else None for r in reqs]
+        sampler = PerRowSampler([r.sampler for r in reqs], histories, self.draft.device)
+        return sample_block(self.draft, hidden, base, anchors, sampler, guessed_path=self.options.guessed_path)
+
+    def _target_forward(self, reqs: list[Request], rows: list[list[int]]):
+        """ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]`, in the round's layout."""
         keep = [list(range(len(row))) for row in rows]
         layout = self.layout
         if layout == "auto":
@@ -642,130 +497,47 @@ class DSparkEngine:
                 self.target, [r.kv for r in reqs], rows, keep, self.layer_ids, "packed", self._linear_cost
             )
         self.metrics.layout_counts[out.layout] += 1
-        outcomes = self._accept(reqs, block, drafted, lengths, out.logits, copied=copies is not None)
-        committed = [n + 1 for n, _ in outcomes]  # the anchor and the accepted drafts (that is the rollback)
-        if out.new_kv is None:
-            for req, c in zip(reqs, committed):
-                self._kv.lengths[req.kv.slot] += c
-        else:
-            commit_rows(self._kv, [r.kv.slot for r in reqs], out.new_kv, committed)
-        emitted = []
-        for i, req in enumerate(reqs):
-            n, token = outcomes[i]
-            if self.speculate:
-                req.pending.append(out.features[i][: n + 1])
-            emitted.append(drafted[i][:n] + [token])
-            self.metrics.record_request_round(lengths[i], n, copied=copies is not None and bool(copies[i]))
-        if self.speculate:  # bound the features kept for a draft that has not drafted for a long while
-            self._ingest_pending([r for r in reqs if r.pending_tokens >= _PENDING_LIMIT])
-        t2 = time.perf_counter()
-        for i, req in enumerate(reqs):
-            if self.speculate:  # a row without budget drafted nothing useful: recorded as an empty block
-                has = host is not None and budgets[i] > 0
-                stats = round_stats(host, i, lengths[i]) if has else empty_round_stats()
-                if copies is not None and copies[i]:
-                    stats.source, stats.drafted, stats.verified = "lookup", copies[i], lengths[i]
-                    self.lookup_gate.record(lengths[i], outcomes[i][0])
-                stats.accepted = outcomes[i][0]
-                stats.draft_time, stats.sequential_time, stats.verify_time = t_head - t0, t1 - t_head, t2 - t1
-                req.stats.rounds.append(stats)
-            self._emit(req, emitted[i], events)
-        m = self.metrics
-        m.rounds += 1
-        m.forward_tokens += sum(len(row) for row in rows)
-        m.queue_length_sum += len(self._queue)
-        m.draft_seconds += t1 - t0
-        m.verify_seconds += t2 - t1
-        computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
-        m.computed_tokens += computed
-        m.drafting_rounds += host is not None
-        m.lookup_rounds += copies is not None
-        if self.lookup_gate is not None:
-            emitted_tokens = len(reqs) + sum(n for n, _ in outcomes)
-            self.lookup_gate.observe(len(reqs), copies is not None, emitted_tokens, time.perf_counter() - t0)
-        if self.speculate and copies is None:  # the policy weighs drafting against plain rounds; a copy is neither
-            self.policy.observe_round(
-                context,
-                rows=len(reqs),
-                forward_tokens=computed,
-                rest_seconds=time.perf_counter() - t1,
-                draft_seconds=t1 - t0 - catch_up if host is not None else None,
-                survival=torch.tensor(host.survival) if host is not None and host.confidence_logits else None,
-                verified=lengths,
-                accepted=[n for n, _ in outcomes],
-            )
+        return out
 
-    def _copies(self, reqs: list[_Request], budgets: list[int]) -> list[list[int]] | None:
-        """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget; `None`
-        when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this batch size."""
-        if self.lookup is None or max(budgets) <= 0 or not self.lookup_gate.allows(len(reqs)):
-            return None
-        if self._copy_length([[0] * b for b in budgets]) == 0:  # not even a copy for every row would pay: no search
-            self.lookup_gate.probing = False
-            return None
-        copies = []
-        for req, budget in zip(reqs, budgets):
-            if req.lookup is None:
-                req.lookup = LookupIndex(req.prompt, self.lookup)
-            copies.append(req.lookup.continuation(req.tokens, budget) if budget > 0 else [])
-        length = self._copy_length(copies) if any(copies) else 0
-        if length == 0:
-            self.lookup_gate.probing = False  # nothing was tried: a probe waits for a round that can copy
-            return None
-        return [c[:length] for c in copies]
+    # ------------------------------------------------------------------ views of the speculator's state
+    @property
+    def schedule_context(self) -> ScheduleContext | None:
+        """The policy's [`ScheduleContext`] (`None` without speculation)."""
+        return self.speculator.context if self.speculator is not None else None
+
+    @property
+    def lookup_gate(self) -> LookupGate | None:
+        """The [`LookupGate`] of copy rounds (`None` with prompt lookup off); settable, e.g. to tune it."""
+        return self.speculator.gate if self.speculator is not None else None
+
+    @lookup_gate.setter
+    def lookup_gate(self, gate: LookupGate) -> None:
+        self.speculator.gate = gate
+
+    @property
+    def graphs(self):
+        """The CUDA-graph runner of the draft step when that backend runs (`None`: the engine drafts without)."""
+        backends = self.speculator.backends if self.speculator is not None else []
+        return next((b.graphs for b in backends if b.name == "cuda_graphs"), None)
+
+    @property
+    def graph_rounds(self) -> int:
+        """Rounds whose draft step ran on the graph path."""
+        backends = self.speculator.backends if self.speculator is not None else []
+        return sum(b.rounds for b in backends if b.name == "cuda_graphs")
 
     def _copy_length(self, copies: list[list[int]]) -> int:
-        """How many copied tokens a copy round verifies per row: where the target's SPS profile is known, the
-        one length `L` that maximises expected tokens per second of the round ([`uniform_length`]: a padded
-        forward computes `rows · (1 + L)` tokens; the gain is the copies' expected accepted tokens, from the
-        gate's per-position acceptance), `0` when no length pays; without a profile, the longest copy."""
-        longest = max(map(len, copies))
-        profile = getattr(self.policy, "sps", None)
-        sps = profile.sps if profile is not None else self.schedule_context.sps
-        if sps is None:
-            return longest
-        rows = len(copies)
-        measured = {b: statistics.median(ts) for (r, b), ts in self.schedule_context.round_seconds.items() if r == rows}
-        return uniform_length(self.lookup_gate.survival(copies), rows, sps, measured=measured)
+        """The copy length a round of these copies verifies (the speculator's rule)."""
+        return self.speculator._copy_length(copies)
 
-    def _draft_graphs(self, requested: bool | None):
-        """The CUDA-graph runner of the draft step (greedy rows without processors), or `None` for eager."""
-        if requested is False or (requested is None and self.draft.device.type != "cuda"):
-            return None
-        reason = draft_graphs.graph_unavailable(self.draft, None)
-        if reason is None:
-            return draft_graphs.DraftStepGraphs(self.draft, None, do_sample=False)
-        log = logger.warning if requested else logger.info
-        log("DSpark engine: CUDA graphs of the draft step are off, running it eagerly: %s.", reason)
-        return None
-
-    def _ingest_pending(self, reqs: list[_Request]) -> float:
-        """Bring the rows' draft contexts up to date with every token they have committed (one draft pass).
-
-        Returns the seconds of it that catch up on rounds that did not draft (the share of tokens older than
-        the last round): a drafting round's own cost, which the policy weighs, excludes them, or a policy that
-        paused drafting would see its first drafting round as dear and never resume.
-        """
-        reqs = [r for r in reqs if r.pending]
-        if not reqs:
-            return 0.0
-        start = time.perf_counter()
-        features = [torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0] for r in reqs]
-        total = sum(f.shape[0] for f in features)
-        latest = sum(r.pending[-1].shape[0] for r in reqs)
-        ingest(self.draft, self._dkv, features, slots=[r.dkv.slot for r in reqs])
-        for req in reqs:
-            req.pending = []
-        return (time.perf_counter() - start) * (1 - latest / total)
-
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         """Take `req` out of the batch: its reservation now, its slots at the next round's compaction."""
         self._active.remove(req)
         self._reserved -= req.reserve
         self._kv.free(req.kv.slot)
         if req.dkv is not None:
             self._dkv.free(req.dkv.slot)
-        req.pending = []
+            req.draft.pending = []
 
     def _compact(self) -> None:
         """Close the holes finished requests left in the slot stores (moves only the rows that fill them) and
@@ -782,33 +554,11 @@ class DSparkEngine:
                 store.limit = limit  # the buffers' capacity never outgrows the longest active request
 
     def _accept(self, reqs, block, drafted, lengths, target_logits, copied=False) -> list[tuple[int, int]]:
-        """Each row's (accepted drafts, next token): greedy rows without processors all at once (one host
-        read), the others one by one. In a copy round (`copied`) the proposals are `drafted`, on the host."""
-        greedy = [i for i, r in enumerate(reqs) if not r.sampler.do_sample and not r.sampler.processors]
-        outcomes: list[tuple[int, int] | None] = [None] * len(reqs)
-        if greedy:
-            tokens = None
-            if copied:
-                width = max(1, *(lengths[i] for i in greedy))
-                padded = [drafted[i][: lengths[i]] + [0] * (width - lengths[i]) for i in greedy]
-                tokens = torch.tensor(padded, device=target_logits[0].device)
-            elif block is not None:
-                tokens = block.tokens if len(greedy) == len(reqs) else block.tokens[greedy]
-            accepted = accept_greedy_rows(tokens, [lengths[i] for i in greedy], [target_logits[i] for i in greedy])
-            for i, outcome in zip(greedy, accepted):
-                outcomes[i] = outcome
-        for i, req in enumerate(reqs):
-            if outcomes[i] is not None:
-                continue
-            q = block.logits[i, : lengths[i]] if block is not None else None
-            history = req.prompt + req.tokens if req.sampler.processors else []  # only processors read it
-            if copied:  # a deterministic proposal: no `q`
-                outcomes[i] = accept_copy_row(req.sampler, history, drafted[i][: lengths[i]], target_logits[i])
-            else:
-                outcomes[i] = accept_row(req.sampler, history, drafted[i][: lengths[i]], q, target_logits[i])
-        return outcomes
+        """Each row's (accepted drafts, next token): [`accept_rows`] with the requests' samplers and histories."""
+        histories = [r.prompt + r.tokens if r.sampler.processors else [] for r in reqs]  # what processors read
+        return accept_rows([r.sampler for r in reqs], histories, block, drafted, lengths, target_logits, copied)
 
-    def _emit(self, req: _Request, tokens: list[int], events: list[StreamEvent]) -> None:
+    def _emit(self, req: Request, tokens: list[int], events: list[StreamEvent]) -> None:
         new = []
         for t in tokens:
             new.append(t)
@@ -820,7 +570,9 @@ class DSparkEngine:
                 req.finish_reason = "length" if req.max_new == req.params.max_new_tokens else "context"
                 break
         self.metrics.tokens_generated += len(new)
-        text = self._new_text(req, final=req.finish_reason is not None) if self.tokenizer is not None else None
+        text = (
+            new_text(self.tokenizer, req, final=req.finish_reason is not None) if self.tokenizer is not None else None
+        )
         if req.finish_reason is None:
             events.append(StreamEvent(req.rid, new, text))
             return
@@ -837,53 +589,3 @@ class DSparkEngine:
             times=req.times,
         )
         events.append(StreamEvent(req.rid, new, text, finished=True, output=output))
-
-    def _new_text(self, req: _Request, final: bool) -> str:
-        """The text of the tokens not yet streamed, decoding only a short window, not the whole output.
-
-        The window starts at the tokens streamed by the previous call, so that merges across the boundary (a
-        byte-level token completing a character, a tokenizer's space rules) are seen; text that ends in an
-        incomplete character is held back. The last call decodes the whole output once and sends what the
-        stream still lacks, so the streamed pieces always add up to `RequestOutput.text`.
-        """
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        if final:
-            req.text = decode(req.tokens)
-            new, req.text_len = req.text[req.text_len :], len(req.text)
-            return new
-        before = decode(req.tokens[req.text_prefix : req.text_done])
-        after = decode(req.tokens[req.text_prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""  # nothing complete yet: held back until a later round (or the final flush)
-        new = after[len(before) :]
-        req.text_prefix, req.text_done = req.text_done, len(req.tokens)
-        req.text_len += len(new)
-        return new
-
-
-#: Features a row may hold back from its draft before they are ingested anyway (a draft not drafting for long).
-_PENDING_LIMIT = 256
-
-
-def _per_prompt(sampling_params, n: int) -> list:
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give one, or one per prompt.")
-    return params
-
-
-def _check_params(params: SamplingParams) -> None:
-    """Refuse sampling parameters transformers would refuse, naming the allowed range."""
-    checks = [
-        (params.max_new_tokens >= 1, "max_new_tokens must be >= 1", params.max_new_tokens),
-        (params.temperature > 0, "temperature must be > 0 (use do_sample=False for greedy)", params.temperature),
-        (params.top_k is None or params.top_k >= 0, "top_k must be >= 0", params.top_k),
-        (params.top_p is None or 0 < params.top_p <= 1, "top_p must be in (0, 1]", params.top_p),
-        (params.repetition_penalty is None or params.repetition_penalty > 0, "repetition_penalty must be > 0",
-         params.repetition_penalty),
-    ]  # fmt: skip
-    for ok, message, value in checks:
-        if not ok:
-            raise ValueError(f"{message}, got {value}.")

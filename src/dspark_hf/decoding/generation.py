@@ -11,7 +11,9 @@ The protocol (transformers >= 5.8): a generator with `requires_model_outputs = T
 previous forward output (with the hidden states we ask for through `model_kwargs_overrides`) and returns
 `(ids, logits)`: the sequence plus `k` candidates and the `k` processed draft distributions (the `q` of
 rejection sampling), or `(input_ids, None)` for an ordinary target step. Verification, acceptance and the
-target's cache rollback stay in transformers; exactness never depends on the draft.
+target's cache rollback stay in transformers; exactness never depends on the draft. The round itself (lookup,
+policy, drafting backend, stats, feedback) is the [`Speculator`]'s (`dspark_hf.decoding.speculator`) with one
+row: `get_candidates` is its `propose`, `update_candidate_strategy` its `observe`.
 
 With a draft vocabulary subset `S` (`draft.set_draft_vocab`) the draft computes its logits for `S` only;
 before the logits processors run they are expanded to the full vocabulary with `-inf` outside `S`, so the
@@ -38,29 +40,16 @@ from .._transformers import (
     recording_layers,
     selected_hidden_states,
 )
-from ..model.compat import check_target_compatibility
 from ..kernels import use_kernels
+from ..model.compat import check_target_compatibility
 from ..model.modeling import DSparkDraftModel
-from ..scheduling.policies import ScheduleContext
+from ..model.runs import remember_generation_stats
+from .backends import BackendSetup
 from .caches import KVStore
-from .compiled import CompiledRound
-from .draft_graphs import draft_step_graphs
-from .drafting import (
-    BlockScores,
-    DraftedBlock,
-    SequenceSampler,
-    draft_block,
-    empty_round_stats,
-    ingest,
-    read_round,
-    sample_block,
-    score_block,
-    verified_lengths,
-)
-from .drafting import round_stats as make_round_stats
-from .lookup import lookup_continuation
+from .drafting import DraftedBlock, SharedSampler, sample_block
 from .options import SpeculationOptions, call_options, config_key, resolve_options
-from .stats import GenerationStats, RoundStats
+from .speculator import DraftRow, Proposal, Speculator
+from .stats import GenerationStats
 
 __all__ = ["EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS", "DSparkCandidateGenerator", "install_generate_hook"]
 
@@ -68,10 +57,6 @@ __all__ = ["EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS", "DSparkCandidateGenerator"
 #: wrapper (which removes its hooks when the call ends), read by the candidate generator transformers builds
 #: inside that call. Scoped to the call, never parked on the draft.
 _CALL_RECORDER: ContextVar = ContextVar("dspark_call_recorder", default=None)
-
-
-#: Committed tokens whose features may wait for the draft's next drafting round before they are ingested anyway.
-_PENDING_LIMIT = 256
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
@@ -108,11 +93,6 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.eos_token_ids = eos_token_ids(generation_config)
         self.options: SpeculationOptions = resolve_options(draft, target, generation_config=generation_config)
         self.policy, self.lookup = self.options.policy, self.options.lookup
-        self.schedule_context = ScheduleContext()
-        if self.policy.needs_sps and getattr(self.policy, "sps", None) is None:
-            from ..scheduling.sps import get_sps_profile
-
-            self.schedule_context.sps = get_sps_profile(target).sps
         # the target layers' outputs: recorded by hooks of this call (generate() below) where the layers can be
         # hooked, else asked of transformers (whose capturing hooks then stay on the target for good, ~3%/forward)
         self.recorder = recorder
@@ -127,25 +107,26 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 "were never filled in (a draft built directly from such a config). Call "
                 "`draft.set_draft_vocab(ids)`, or load the draft with `DSparkDraftModel.from_pretrained`."
             )
-        self.store = KVStore(self.max_length)
-        self.temperatures = torch.tensor(self.config.calibration_temperatures, dtype=torch.float32, device=draft.device)
         # the draft's own random source, seeded from torch's global one so `torch.manual_seed` reproduces a call
         self.generator = None
         if self.do_sample:
             self.generator = torch.Generator(device=draft.device)
             self.generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.stats = GenerationStats(block_size=self.config.block_size, policy=repr(self.policy))
-        draft.last_generation_stats = self.stats
-        self.graphs = draft_step_graphs(draft, self.options.cuda_graphs, logits_processor, self.do_sample, self.stats)
-        # on the exact CPU kernels, the round in three compiled calls (dspark_hf.decoding.compiled)
-        self.compiled = (
-            CompiledRound.create(draft, self.max_length) if self.graphs is None and self.options.compiled else None
-        )
+        # the round (policy, lookup, backend, the draft's context): the Speculator, with one row
+        setup = BackendSetup(rows=1, max_length=self.max_length, processors=logits_processor, do_sample=self.do_sample)
+        self.speculator = Speculator(draft, target, self.options, setup, stats=self.stats)
+        remember_generation_stats(draft, self.stats)  # `dspark_hf.last_generation_stats(draft)` reads them, live
+        self.row = DraftRow(KVStore(self.max_length), stats=self.stats, read_new=self._read_new_tokens)
         self.greedy = not self.do_sample and not logits_processor
-        self._pending: RoundStats | None = None
+        self._proposal: Proposal | None = None
+        self._input_ids: torch.LongTensor | None = None
         self._verify_start = 0.0
-        self._features: list[torch.Tensor] = []  # committed target features the draft has not ingested yet
-        self._features_pending = 0
+
+    @property
+    def schedule_context(self):
+        """The policy's [`ScheduleContext`] (the speculator's)."""
+        return self.speculator.context
 
     # ------------------------------------------------------------------ protocol
     def get_candidates(
@@ -161,71 +142,38 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if is_first_iteration:
             return input_ids, None
         with torch.no_grad():
-            t0 = time.perf_counter()
             self._collect_context(input_ids, model_outputs)
-            budget = self.max_length - input_ids.shape[1] - 1  # the round always adds one target token
-            gamma = min(self.config.block_size, budget)
-            copied = lookup_continuation(input_ids[0], self.lookup, gamma) if self.lookup and gamma > 0 else []
-            if copied:  # the context already holds a continuation: verify the copy, the draft does not run
-                if self._features_pending >= _PENDING_LIMIT:
-                    self._ingest_pending()
-                self._pending = empty_round_stats()
-                self._pending.source, self._pending.drafted, self._pending.verified = "lookup", copied, len(copied)
-                self._pending.draft_time = time.perf_counter() - t0
-                self._verify_start = time.perf_counter()
-                proposal = torch.tensor([copied], dtype=input_ids.dtype, device=input_ids.device)
-                # no `q`: a copy is a deterministic proposal, which transformers verifies exactly (greedy: the
-                # longest agreeing prefix; sampling: each position sampled from the target and compared)
-                return torch.cat([input_ids, proposal], dim=-1), None
-            # a policy may fix the length before drafting; 0 makes this round an ordinary target step
-            planned = self.policy.plan_length(1, self.config.block_size, self.schedule_context) if gamma > 0 else 0
-            self.schedule_context.planned_length = planned
-            if gamma <= 0 or planned == 0:  # room for the target's own token only, or no draft pays off
-                if self._features_pending >= _PENDING_LIMIT:
-                    self._ingest_pending()
-                self._pending = empty_round_stats()
-                self._verify_start = time.perf_counter()
-                return input_ids, None
-            t0 += self._ingest_pending()  # catching up on rounds that did not draft is not this round's cost
+            self._input_ids = input_ids
+            budget = max(0, min(self.config.block_size, self.max_length - input_ids.shape[1] - 1))  # + 1 target token
             anchors = input_ids[:, -1].to(self.draft.device)
-            block, scores, t1 = self._draft(input_ids, anchors, planned)
-            tokens = block.tokens[0]
-            host = read_round(block, scores)
-            length = verified_lengths(self.policy, self.schedule_context, host, [gamma], [self.eos_token_ids])[0]
-            round_stats = make_round_stats(host, 0, length)
-            t2 = time.perf_counter()
-        round_stats.draft_time, round_stats.sequential_time = t1 - t0, t2 - t1
-        self._pending = round_stats
+            proposal = self.speculator.propose(
+                [self.row], anchors, [budget], [self.eos_token_ids], head=self._head, greedy=self.greedy,
+                generator=self.generator,
+            )  # fmt: skip
+        self._proposal = proposal
         self._verify_start = time.perf_counter()
-        if length == 0:
+        length = proposal.lengths[0]
+        if length == 0:  # room for the target's own token only, no draft pays off, or the policy verifies none
             return input_ids, None
-        candidates = torch.cat([input_ids, tokens[None, :length].to(input_ids.device)], dim=-1)
-        if block.logits is None:  # a greedy round: transformers compares tokens and never reads `q`
+        if proposal.block is None:  # a copy: verified without `q`, as a deterministic proposal (greedy: the
+            # longest agreeing prefix; sampling: each position sampled from the target and compared). It is a
+            # slice of the sequence itself, already on the device: no copy to it.
+            start = self.row.lookup.start
+            return torch.cat([input_ids, input_ids[:, start : start + length]], dim=-1), None
+        block = proposal.block
+        candidates = torch.cat([input_ids, block.tokens[:, :length].to(input_ids.device)], dim=-1)
+        if block.logits is None:  # a greedy compiled round: transformers compares tokens and never reads `q`
             return candidates, None
         return candidates, block.logits[:, :length].to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Record the round's outcome (transformers calls this after every verification)."""
-        if self._pending is None:  # the prefill round
+        if self._proposal is None:  # the prefill round
             return
-        pending = self._pending
-        pending.accepted = int(num_matches)
-        pending.verify_time = time.perf_counter() - self._verify_start
-        self.stats.rounds.append(pending)
-        self._pending = None
-        if pending.source == "lookup":  # the policy weighs the draft against plain rounds; a copy is neither
-            return
-        drafted = bool(pending.drafted)
-        self.policy.observe_round(
-            self.schedule_context,
-            rows=1,
-            forward_tokens=1 + pending.verified,
-            rest_seconds=pending.verify_time,
-            draft_seconds=pending.draft_time + pending.sequential_time if drafted else None,
-            survival=torch.tensor([pending.survival]) if drafted and pending.survival else None,
-            verified=[pending.verified],
-            accepted=[pending.accepted],
-        )
+        proposal, self._proposal = self._proposal, None
+        rest = time.perf_counter() - self._verify_start
+        forward_tokens = 1 + proposal.lengths[0]
+        self.speculator.observe([self.row], proposal, [int(num_matches)], forward_tokens, rest)
 
     # ------------------------------------------------------------------ steps of a round (R = 1 of drafting.py)
     def _collect_context(self, input_ids: torch.LongTensor, model_outputs: Any) -> None:
@@ -234,11 +182,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         Every token except the newest (the anchor, which the target has not processed yet) is committed.
         The target's last forward covered `[previous anchor, verified drafts]`; its first `n_new` positions
         are exactly the newly committed tokens (the whole prompt after the prefill). They enter the draft's KV
-        store when the draft next drafts ([`_ingest_pending`]): a round the policy does not draft in never
+        store when the draft next drafts ([`Speculator.ingest`]): a round the policy does not draft in never
         runs the draft.
         """
         committed = input_ids.shape[1] - 1
-        n_new = committed - len(self.store) - self._features_pending
+        n_new = committed - len(self.row.store) - self.row.pending_tokens
         if n_new <= 0:
             return
         if self.recorder is not None:  # the hooked layers' outputs of that same (latest) target forward
@@ -253,61 +201,25 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 f"Context bookkeeping error: {n_new} newly committed tokens but the target returned hidden "
                 f"states for {feats.shape[0]}."
             )
-        self._features.append(feats)
-        self._features_pending += n_new
+        self.row.pending.append(feats)
 
-    def _ingest_pending(self) -> float:
-        """Bring the draft's context up to date; returns the seconds spent on tokens older than the last
-        round (what skipped rounds left to catch up), which the round's measured drafting cost excludes."""
-        if not self._features:
-            return 0.0
-        start = time.perf_counter()
-        latest = self._features[-1].shape[0]
-        feats = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
-        if self.compiled is not None:
-            self.compiled.ingest(self.store, feats)
-        else:
-            ingest(self.draft, [self.store], [feats])
-        self._features, self._features_pending = [], 0
-        return (time.perf_counter() - start) * (1 - latest / feats.shape[0])
+    def _read_new_tokens(self) -> list[int]:
+        """The tokens committed since prompt lookup last searched, on the host (its one read of the round; the
+        whole prompt on the first search). Only called when lookup searches."""
+        known = len(self.row.prompt) + len(self.row.generated)
+        return self._input_ids[0, known:].tolist()
 
-    def _draft(
-        self, input_ids: torch.LongTensor, anchors: torch.Tensor, planned: int | None = None
-    ) -> tuple[DraftedBlock, BlockScores, float]:
-        """Steps 2–4 of the round: the block, its scores, and when the backbone finished (`perf_counter`).
-
-        One graph replay when the graph path is on (the backbone's time then covers the launch only); the
-        compiled round's calls on the exact CPU kernels (a greedy round without logits processors entirely, else
-        the block, then the sequential head eagerly); else [`draft_block`] and the sequential head eagerly. On
-        the first `planned` positions only when the policy fixed the length before drafting (the positions
-        after it could never be verified). A greedy compiled round returns no `q` (`block.logits` is `None`).
-        """
-        if self.graphs is not None:
-            graphed = self.graphs.run([self.store], anchors, self.generator)
-            if graphed is not None:
-                return (*graphed, time.perf_counter())
-        if self.compiled is not None:
-            anchor = int(anchors[0])
-            hidden, base_logits = self.compiled.block(self.store, anchor, planned)
-            t1 = time.perf_counter()
-            if self.greedy:
-                tokens, conf_logits = self.compiled.greedy(hidden, base_logits, anchor)
-                block = DraftedBlock(tokens[None], None, conf_logits[None] if conf_logits is not None else None)
-                return block, score_block(block, self.temperatures), t1
-        else:
-            hidden, base_logits = draft_block(self.draft, [self.store], anchors, positions=planned)
-            hidden, base_logits = hidden[0], base_logits[0]
-            t1 = time.perf_counter()
-        tokens, logits, conf_logits = self._sample_sequentially(input_ids, hidden, base_logits)
-        block = DraftedBlock(tokens[None], logits[None], conf_logits[None] if conf_logits is not None else None)
-        return block, score_block(block, self.temperatures), t1
+    def _head(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor) -> DraftedBlock:
+        """The sequential head of this call's row (`[1, P, d]`, `[1, P, K]` in): [`_sample_sequentially`]."""
+        tokens, logits, conf = self._sample_sequentially(self._input_ids, hidden[0], base_logits[0])
+        return DraftedBlock(tokens[None], logits[None], conf[None] if conf is not None else None)
 
     def _sample_sequentially(
         self, input_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """[`sample_block`] for this one row: drafted tokens `[γ]`, processed logits `[γ, V]` (the `q` of
         verification) and confidence logits `[γ]` (or `None`)."""
-        sampler = SequenceSampler(self.logits_processor, input_ids, self.do_sample, self.generator)
+        sampler = SharedSampler(self.logits_processor, input_ids, self.do_sample, self.generator)
         anchors = input_ids[:, -1]
         block = sample_block(
             self.draft, hidden[None], base_logits[None], anchors, sampler, guessed_path=self.options.guessed_path

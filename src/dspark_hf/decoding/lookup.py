@@ -65,6 +65,9 @@ def lookup_continuation(ids: torch.Tensor, config: LookupConfig, limit: int | No
     largest `n` in `[config.min_ngram, config.max_ngram]` that occurs, at most `min(config.max_tokens, limit)` of
     them; `[]` when no suffix recurs.
 
+    The reference definition of the lookup, a whole-sequence search: no driver calls it (both search the
+    incremental [`LookupIndex`], which `tests/test_lookup.py` checks gives this answer at every length).
+
     Args:
         ids (`torch.LongTensor`): the sequence so far, `[T]` (any device; searched on the CPU).
         config ([`LookupConfig`]): the search settings.
@@ -177,6 +180,7 @@ class LookupIndex:
         # n -> {n-gram: end (exclusive) of its latest occurrence}, for every n-gram that ends before the last token
         self._ends = {n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
         self._indexed = 0  # n-grams ending at positions 1.._indexed are in `_ends`
+        self.start = 0  # where the last copy [`continuation`] returned starts in the sequence
 
     def continuation(self, generated: list[int], limit: int | None = None) -> list[int]:
         """The copy for the sequence `prompt + generated` (`generated` extends what earlier calls saw)."""
@@ -194,5 +198,6 @@ class LookupIndex:
         for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
             end = self._ends[n].get(tuple(ids[length - n :]))
             if end is not None:
+                self.start = end  # where the copy starts in the sequence (a driver may slice it on the device)
                 return ids[end : end + cap]
         return []

@@ -1,7 +1,7 @@
 """Per-round statistics of speculative generation, and their summaries (τ, acceptance per position, timing).
 
 `generate(assistant_model=draft)` fills a fresh [`GenerationStats`] and leaves it on
-`draft.last_generation_stats`; it is updated while generation runs, so a streamer can read it live.
+`dspark_hf.last_generation_stats(draft)`; it is updated while generation runs, so a streamer can read it live.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..decoding.options import resolve_options
 from ..decoding.stats import GenerationStats
+from ..model.runs import last_generation_stats
 from .settings import Settings, policy_string
 
 
@@ -99,7 +100,7 @@ def stream_reply(
     spec_config.dspark_policy = label
     collector = _TokenCollector()
     box: dict = {}
-    previous_stats = getattr(draft, "last_generation_stats", None)
+    previous_stats = last_generation_stats(draft)
 
     def run() -> None:
         try:
@@ -114,7 +115,7 @@ def stream_reply(
             box["error"] = err
 
     def current_stats() -> GenerationStats | None:
-        stats = getattr(draft, "last_generation_stats", None)
+        stats = last_generation_stats(draft)
         return None if stats is previous_stats else stats
 
     worker = threading.Thread(target=run, name="dspark-demo-generate", daemon=True)

@@ -16,6 +16,7 @@ import copy
 import time
 from collections.abc import Mapping, Sequence
 
+from ..model.runs import last_generation_stats
 from .methods import PLAIN, PLAIN_EXACT, PLAIN_ON, PLAIN_PACKED, PROMPT_LOOKUP, TASK_METRICS
 from .plots import MIN_CURVE_ROUNDS
 from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
@@ -220,7 +221,7 @@ def _run_config(target, items: Mapping, temperatures: Sequence[float], settings:
 
 def _last_stats(draft):
     """The statistics of `draft`'s last `generate()` call."""
-    return draft.last_generation_stats
+    return last_generation_stats(draft)
 
 
 class _Runner:

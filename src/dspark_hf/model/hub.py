@@ -106,7 +106,7 @@ def _usage(repo_id: str, target: str, fmt: str) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         "import dspark_hf  # registers the draft with transformers",
-        "from dspark_hf import DSparkDraftModel",
+        "from dspark_hf import DSparkDraftModel, last_generation_stats",
         "",
         f'target = AutoModelForCausalLM.from_pretrained("{target}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{target}")',
@@ -116,7 +116,7 @@ def _usage(repo_id: str, target: str, fmt: str) -> str:
         'inputs = tokenizer("Explain speculative decoding in one sentence.", return_tensors="pt")',
         "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)  # same output as without the draft",
         "print(tokenizer.decode(out[0], skip_special_tokens=True))",
-        "print(draft.last_generation_stats.tau)  # tokens committed per target forward",
+        "print(last_generation_stats(draft).tau)  # tokens committed per target forward",
         "```",
     ]
     return "\n".join(lines)

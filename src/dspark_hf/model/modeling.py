@@ -94,7 +94,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     >>> from dspark_hf import DSparkDraftModel
     >>> draft = DSparkDraftModel.from_target(target, num_hidden_layers=2)   # fresh, random draft
     >>> out = target.generate(**inputs, assistant_model=draft)               # same output, fewer passes
-    >>> draft.last_generation_stats.tau
+    >>> dspark_hf.last_generation_stats(draft).tau
     ```
     """
 
@@ -122,8 +122,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # the draft's own runtime defaults (dspark_policy, dspark_lookup, ...: dspark_hf.decoding.options), saved
         # and loaded with the weights as generation_config.json, as transformers keeps an assistant's
         self.generation_config = defaults_from_config(config)
-        self._step_graphs = None  # the captured steps, made on first use
-        self.last_generation_stats = None
         self.post_init()
 
     def __setattr__(self, name: str, value) -> None:

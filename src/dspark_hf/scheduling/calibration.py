@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..model.runs import last_generation_stats
+
 DEFAULT_GRID = torch.logspace(math.log10(0.25), math.log10(8.0), 100, dtype=torch.float64)
 
 
@@ -225,7 +227,7 @@ def collect_records(
             **sampling,
             **generate_kwargs,
         )
-        parts.append(CalibrationRecords.from_stats(draft.last_generation_stats))
+        parts.append(CalibrationRecords.from_stats(last_generation_stats(draft)))
     return CalibrationRecords.concat(parts)
 
 

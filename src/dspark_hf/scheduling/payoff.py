@@ -91,12 +91,7 @@ class PayoffGuard:
     # ------------------------------------------------------------------ the verdict
     def settled(self, state: PayoffState | None) -> bool:
         """Whether `state` has measured enough rounds to judge."""
-        return (
-            bool(self.after)
-            and state is not None
-            and state.drafts >= self.after
-            and state.plains >= self.min_plains
-        )
+        return bool(self.after) and state is not None and state.drafts >= self.after and state.plains >= self.min_plains
 
     def pays(self, state: PayoffState) -> bool:
         """Whether trying rounds in `state` emitted more per second than plain ones, by the margin."""

@@ -1,4 +1,5 @@
-"""The target side of [`DSparkEngine`]'s round: ragged target forwards and per-row acceptance.
+"""The target side of [`DSparkEngine`]'s round: ragged target forwards and per-row acceptance (the draft side is
+[`Speculator`]'s, `dspark_hf.decoding.speculator`).
 
 Everything here works on *rows* (one per active request) whose lengths differ, and is free of scheduling
 and request bookkeeping (that is `dspark_hf.decoding.engine`); the draft side of the round is
@@ -22,7 +23,7 @@ and request bookkeeping (that is `dspark_hf.decoding.engine`); the draft side of
   All are exact (up to float rounding; tests run the tiny targets in fp64). The new keys/values of each
   row come back so the caller can keep exactly the committed ones: rolling back rejected drafts is simply
   not copying them.
-* [`RowSampler`] is one request's processors, mode and generator; [`accept_row`] applies greedy or
+* [`RequestSampler`] is one request's processors, mode and generator; [`accept_row`] applies greedy or
   rejection-sampling acceptance (`dspark_hf.decoding.verification`) to one row, [`accept_copy_row`] verifies
   a deterministic proposal (a prompt-lookup copy) against the target's own picks, and [`accept_greedy_rows`]
   verifies all greedy rows without processors at once, with one host read.
@@ -148,53 +149,13 @@ def ragged_target_forward(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
     device = target.device
-    rows = len(new_tokens)
     lengths = [len(s) for s in stores]
     counts = [len(t) for t in new_tokens]
     if layout == "auto":
         cost = linear_cost if linear_cost is not None else linear_cost_in_keys(target)
         layout = choose_layout(lengths, counts, cost)
-    filled = next((s for s in stores if len(s)), None)
-    num_layers = filled.num_layers if filled is not None else 0
-
-    def layer_kv(store: KVStore, i: int, kv: int) -> torch.Tensor:  # an empty store contributes nothing
-        return store.layer(i)[kv] if len(store) else filled.layer(i)[kv][:, :0]
-
-    if layout == "padded":
-        past, width = max(lengths), max(counts)
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        pos = torch.zeros(rows, width, dtype=torch.long)
-        mask = torch.zeros(rows, 1, width, past + width, dtype=torch.bool)
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        spans = []  # (batch row, first query, end query); a row's new keys sit at `past + query`
-        for r in range(rows):
-            n, t = counts[r], lengths[r]
-            ids[r, :n] = torch.tensor(new_tokens[r])
-            pos[r, :n] = torch.arange(t, t + n)
-            mask[r, 0, :n, :t] = True
-            mask[r, 0, :n, past : past + n] = causal[:n, :n]
-            mask[r, 0, n:, past + n :] = torch.eye(width - n, dtype=torch.bool)  # padding sees only itself
-            spans.append((r, 0, n))
-        data = [
-            tuple(_pad_stack([layer_kv(s, i, kv) for s in stores], past) for kv in (0, 1)) for i in range(num_layers)
-        ]
-    else:
-        past, width = sum(lengths), sum(counts)
-        ids = torch.tensor([t for row in new_tokens for t in row])[None]
-        pos = torch.cat([torch.arange(lengths[r], lengths[r] + counts[r]) for r in range(rows)])[None]
-        mask = torch.zeros(1, 1, width, past + width, dtype=torch.bool)
-        spans = []
-        p_off = q_off = 0
-        for r in range(rows):
-            n, t = counts[r], lengths[r]
-            mask[0, 0, q_off : q_off + n, p_off : p_off + t] = True
-            mask[0, 0, q_off : q_off + n, past + q_off : past + q_off + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            spans.append((0, q_off, q_off + n))
-            p_off, q_off = p_off + t, q_off + n
-        data = [
-            tuple(torch.cat([layer_kv(s, i, kv) for s in stores], dim=1)[None] for kv in (0, 1))
-            for i in range(num_layers)
-        ]
+    build = _padded_inputs if layout == "padded" else _packed_inputs
+    ids, pos, mask, spans, data, past, width = build(stores, new_tokens, lengths, counts)
     cache = filled_cache(data)
     kwargs = {cache_kwarg(target): cache, "use_cache": True}
     # Only the logits the caller needs go through the LM head (a prefill row needs just its last position).
@@ -222,6 +183,60 @@ def ragged_target_forward(
 
 
 @torch.no_grad()
+def _layer_kv(stores: list[KVStore]):
+    """`(store, layer, 0 | 1) -> keys | values`, an empty store contributing an empty slice of a filled one's."""
+    filled = next((s for s in stores if len(s)), None)
+
+    def layer_kv(store: KVStore, i: int, kv: int) -> torch.Tensor:
+        return store.layer(i)[kv] if len(store) else filled.layer(i)[kv][:, :0]
+
+    return layer_kv, (filled.num_layers if filled is not None else 0)
+
+
+def _padded_inputs(stores, new_tokens, lengths, counts):
+    """The padded layout's ids, positions, mask, row spans `(batch row, first query, end query)`, past keys and
+    values per layer, past and width: rows stacked, the past right-padded to the longest."""
+    rows, past, width = len(new_tokens), max(lengths), max(counts)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    pos = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, 1, width, past + width, dtype=torch.bool)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    spans = []  # a row's new keys sit at `past + query`
+    for r in range(rows):
+        n, t = counts[r], lengths[r]
+        ids[r, :n] = torch.tensor(new_tokens[r])
+        pos[r, :n] = torch.arange(t, t + n)
+        mask[r, 0, :n, :t] = True
+        mask[r, 0, :n, past : past + n] = causal[:n, :n]
+        mask[r, 0, n:, past + n :] = torch.eye(width - n, dtype=torch.bool)  # padding sees only itself
+        spans.append((r, 0, n))
+    layer_kv, num_layers = _layer_kv(stores)
+    data = [tuple(_pad_stack([layer_kv(s, i, kv) for s in stores], past) for kv in (0, 1)) for i in range(num_layers)]
+    return ids, pos, mask, spans, data, past, width
+
+
+def _packed_inputs(stores, new_tokens, lengths, counts):
+    """The packed layout's inputs (as [`_padded_inputs`]): every row's new tokens in one sequence over all rows'
+    pasts concatenated, a block-diagonal causal mask separating the rows."""
+    rows, past, width = len(new_tokens), sum(lengths), sum(counts)
+    ids = torch.tensor([t for row in new_tokens for t in row])[None]
+    pos = torch.cat([torch.arange(lengths[r], lengths[r] + counts[r]) for r in range(rows)])[None]
+    mask = torch.zeros(1, 1, width, past + width, dtype=torch.bool)
+    spans = []
+    p_off = q_off = 0
+    for r in range(rows):
+        n, t = counts[r], lengths[r]
+        mask[0, 0, q_off : q_off + n, p_off : p_off + t] = True
+        mask[0, 0, q_off : q_off + n, past + q_off : past + q_off + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        spans.append((0, q_off, q_off + n))
+        p_off, q_off = p_off + t, q_off + n
+    layer_kv, num_layers = _layer_kv(stores)
+    data = [
+        tuple(torch.cat([layer_kv(s, i, kv) for s in stores], dim=1)[None] for kv in (0, 1)) for i in range(num_layers)
+    ]
+    return ids, pos, mask, spans, data, past, width
+
+
 def slot_target_forward(
     target, store: SlotKV, new_tokens: list[list[int]], keep: list[list[int]], layer_ids: list[int] | None = None
 ) -> RaggedOutput:
@@ -292,8 +307,9 @@ def commit_rows(store: SlotKV, slots: list[int], new_kv, counts: list[int]) -> N
 
 
 @dataclass
-class RowSampler:
-    """How one request turns logits into tokens: its processors, greedy or sampling, its random generator.
+class RequestSampler:
+    """How one engine request turns logits into tokens: its processors, greedy or sampling, its random generator
+    (at verification here, and as one row of the draft's [`PerRowSampler`]).
 
     Args:
         processors (`LogitsProcessorList`, *optional*): applied to draft and target logits alike (the same
@@ -322,7 +338,7 @@ class RowSampler:
 
 
 def accept_row(
-    sampler: RowSampler,
+    sampler: RequestSampler,
     history: list[int],
     drafts: list[int],
     draft_logits: torch.Tensor,
@@ -331,7 +347,7 @@ def accept_row(
     """Verify one row: the target's logits `[ℓ+1, V]` at `[anchor, x_1..x_ℓ]` against drafts `x_1..x_ℓ`.
 
     Args:
-        sampler ([`RowSampler`]): the request's processors, mode and generator.
+        sampler ([`RequestSampler`]): the request's processors, mode and generator.
         history (`list[int]`): prompt and generated tokens up to and including the anchor.
         drafts (`list[int]`): the verified drafted tokens.
         draft_logits (`torch.Tensor` of shape `(ℓ, V)`, *optional*): the processed logits they were sampled
@@ -354,7 +370,7 @@ def accept_row(
 
 
 def accept_copy_row(
-    sampler: RowSampler, history: list[int], copy: list[int], target_logits: torch.Tensor
+    sampler: RequestSampler, history: list[int], copy: list[int], target_logits: torch.Tensor
 ) -> tuple[int, int]:
     """Verify one row's deterministic proposal (a prompt-lookup copy, `dspark_hf.decoding.lookup`): position by
     position, the target's token is picked (the argmax, or a draw from its processed distribution) and compared
@@ -363,7 +379,7 @@ def accept_copy_row(
     exactly the target's, greedy or sampled; the copy only decides how far the round gets.
 
     Args:
-        sampler ([`RowSampler`]): the request's processors, mode and generator.
+        sampler ([`RequestSampler`]): the request's processors, mode and generator.
         history (`list[int]`): prompt and generated tokens up to and including the anchor.
         copy (`list[int]`): the verified copied tokens.
         target_logits (`torch.Tensor` of shape `(len(copy)+1, V)`): raw target logits.
@@ -379,7 +395,7 @@ def accept_copy_row(
     return len(copy), sampler.pick(target_logits[len(copy)])
 
 
-def _processed(sampler: RowSampler, history: list[int], drafts: list[int], target_logits: torch.Tensor):
+def _processed(sampler: RequestSampler, history: list[int], drafts: list[int], target_logits: torch.Tensor):
     """The target's logits `[ℓ+1, V]` through the request's processors, position `i`'s seeing the prefix
     `history + x_1..x_i` (unchanged without processors)."""
     if not sampler.processors:
@@ -457,3 +473,31 @@ def context_limit(config) -> int:
         # the engine's masks are full attention; within the window that is exactly what the model computes
         limit = min(limit, window)
     return int(limit)
+
+
+def accept_rows(samplers, histories, block, drafted, lengths, target_logits, copied=False) -> list[tuple[int, int]]:
+    """Each row's (accepted drafts, next token): greedy rows without processors all at once (one host read), the
+    others one by one with their [`RequestSampler`] and history (prompt and output: what processors read). In a
+    copy round (`copied`) the proposals are `drafted`, on the host; else `block` holds them (and `q`) on the device."""
+    greedy = [i for i, s in enumerate(samplers) if not s.do_sample and not s.processors]
+    outcomes: list[tuple[int, int] | None] = [None] * len(samplers)
+    if greedy:
+        tokens = None
+        if copied:
+            width = max(1, *(lengths[i] for i in greedy))
+            padded = [drafted[i][: lengths[i]] + [0] * (width - lengths[i]) for i in greedy]
+            tokens = torch.tensor(padded, device=target_logits[0].device)
+        elif block is not None:
+            tokens = block.tokens if len(greedy) == len(samplers) else block.tokens[greedy]
+        accepted = accept_greedy_rows(tokens, [lengths[i] for i in greedy], [target_logits[i] for i in greedy])
+        for i, outcome in zip(greedy, accepted):
+            outcomes[i] = outcome
+    for i, sampler in enumerate(samplers):
+        if outcomes[i] is not None:
+            continue
+        q = block.logits[i, : lengths[i]] if block is not None else None
+        if copied:  # a deterministic proposal: no `q`
+            outcomes[i] = accept_copy_row(sampler, histories[i], drafted[i][: lengths[i]], target_logits[i])
+        else:
+            outcomes[i] = accept_row(sampler, histories[i], drafted[i][: lengths[i]], q, target_logits[i])
+    return outcomes
