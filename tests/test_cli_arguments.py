@@ -11,7 +11,12 @@ import torch
 
 from dspark_hf.cli import build_parser
 from dspark_hf.commands._common import UserError
-from dspark_hf.commands.arguments import SpeculationArguments, add_speculation_arguments, speculation_variants
+from dspark_hf.commands.arguments import (
+    ModelArguments,
+    SpeculationArguments,
+    add_speculation_arguments,
+    speculation_variants,
+)
 from train_helpers import make_chat_target
 
 from helpers import make_aligned_draft
@@ -81,3 +86,10 @@ def test_a_flag_wins_over_the_drafts_default_and_an_unset_one_leaves_it():
         SpeculationArguments(policy="nonsense").resolve(draft, target)
     with pytest.raises(UserError, match="--policy: Unknown verification policy 'nonsense'"):
         SpeculationArguments(policy="nonsense").check()  # before any model is loaded
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "serve", "demo"])
+def test_the_model_flags_are_written_once_too(command):
+    helps = {f"--{f.name}": f.metadata["help"] for f in fields(ModelArguments)}
+    given = {flag: a.help for a in _subparser(command)._actions for flag in a.option_strings if flag in helps}
+    assert given == {flag: helps[flag] for flag in given} and "--target" in given and "--threads" in given

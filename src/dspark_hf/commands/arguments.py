@@ -1,8 +1,9 @@
-"""The command-line flags every speculative command shares, written once (TRL's shared argument dataclasses).
+"""The command-line flags the `dspark` commands share, written once (TRL's shared argument dataclasses).
 
 `dspark generate`, `dspark eval` and `dspark serve` take the same `--policy`, `--lookup`, `--cuda-graphs`,
 `--compiled` and `--kernels` flags: [`add_speculation_arguments`] builds them from the fields of
-[`SpeculationArguments`], each with its one help text. Their values are the *call* level of
+[`SpeculationArguments`], each with its one help text. The same commands (and `dspark demo`) take `--target`,
+`--dtype`, `--device` and `--threads` from [`ModelArguments`]. Their values are the *call* level of
 `dspark_hf.decoding.options.resolve_options`: a flag left out (or given its `default` / `auto` word) is unset,
 so the draft's own defaults (its `generation_config.json`) decide, then the library's, as in `generate()` and
 the engine.
@@ -189,3 +190,39 @@ def share_speculation_help(parser: argparse.ArgumentParser, names: tuple[str, ..
     for action in parser._actions:
         if action.dest in names:
             action.help, action.choices = by_name[action.dest]["help"], by_name[action.dest].get("choices")
+
+
+@dataclass
+class ModelArguments:
+    """Where a command's models come from and run (the draft flag differs per command and stays with it).
+
+    Args:
+        target (`str`, *optional*): the target's folder or Hub id (default: the offline SmolLM2-135M-Instruct).
+        dtype (`str`, *optional*): the target's dtype; the draft follows it.
+        device (`str`, *optional*): where target and draft run.
+        threads (`int`, *optional*): torch's CPU threads.
+    """
+
+    target: str | None = field(
+        default=None, metadata={"help": "target model folder or Hub id (default: SmolLM2-135M-Instruct, offline)"}
+    )
+    dtype: str | None = field(
+        default=None, metadata={"help": "target dtype, the draft's follows: float32 (default), bfloat16 or float16"}
+    )
+    device: str | None = field(default=None, metadata={"help": "where target and draft run, e.g. cuda (default: cpu)"})
+    threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads (default: torch's choice)", "type": int}
+    )
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    names: tuple[str, ...] = ("target", "dtype", "device", "threads"),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Add the flags of [`ModelArguments`] named in `names` to `parser` (`defaults`: one per field name, e.g. the
+    environment variables of `dspark serve`)."""
+    for f in fields(ModelArguments):
+        if f.name in names:
+            kwargs = {key: f.metadata[key] for key in ("type",) if key in f.metadata}
+            parser.add_argument(f"--{f.name}", default=(defaults or {}).get(f.name), help=f.metadata["help"], **kwargs)

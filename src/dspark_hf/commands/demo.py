@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from ._common import UserError, model_source
+from .arguments import add_model_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument(
         "--draft",
         default=None,
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="longest conversation accepted, in tokens")
     parser.add_argument("--max-new-tokens-cap", type=int, default=256, help="upper limit of the max-new-tokens control")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_model_arguments(parser, names=("target", "threads"))
 
 
 def main(args: argparse.Namespace) -> int:

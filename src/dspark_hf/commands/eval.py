@@ -7,11 +7,10 @@ from pathlib import Path
 
 from ..evaluation.prompt_sets import EVAL_SETS
 from ._common import UserError, model_source
-from .arguments import SpeculationArguments, add_speculation_arguments, speculation_variants
+from .arguments import SpeculationArguments, add_model_arguments, add_speculation_arguments, speculation_variants
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="target model path or Hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument(
         "--draft",
         action="append",
@@ -35,11 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats per prompt and method; medians used")
     parser.add_argument("--seed", type=int, default=0, help="base seed; prompt i is seeded seed+i for every method")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default=None, help="where to run target and drafts, e.g. cuda (default: cpu)")
-    parser.add_argument(
-        "--dtype", default=None, help="target (and draft) dtype: float32 (default), bfloat16 or float16"
-    )
     parser.add_argument(
         "--prompt-lookup",
         action=argparse.BooleanOptionalAction,
@@ -64,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output", default="dspark-eval", help="folder for results.json, results.md and plots (default: ./dspark-eval)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_model_arguments(parser)
     add_speculation_arguments(parser, several=True)
 
 

@@ -9,16 +9,13 @@ import time
 
 from ..model.runs import last_generation_stats
 from ._common import UserError, model_source
-from .arguments import SpeculationArguments, add_speculation_arguments
+from .arguments import SpeculationArguments, add_model_arguments, add_speculation_arguments
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="user message (chat template applied)")
-    parser.add_argument(
-        "--target", default=None, help="target model folder or Hub id (default: SmolLM2-135M-Instruct, offline)"
-    )
     parser.add_argument(
         "--draft",
         default=None,
@@ -30,11 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed repeats of each method; medians reported (default: 3)"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default=None, help="where to run target and draft, e.g. cuda (default: cpu)")
-    parser.add_argument(
-        "--dtype", default=None, help="target (and draft) dtype: float32 (default), bfloat16 or float16"
-    )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for sampling and for a fresh draft's weights (default: 0)"
     )
@@ -43,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-measure the target's SPS profile (the hardware-aware policies' cost curve) instead of reusing it",
     )
+    add_model_arguments(parser)
     add_speculation_arguments(parser)
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from .arguments import SpeculationArguments, add_speculation_arguments
+from .arguments import SpeculationArguments, add_model_arguments, add_speculation_arguments
 
 
 def _env(name: str, default=None, kind=str):
@@ -27,9 +27,6 @@ def _env(name: str, default=None, kind=str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target", default=_env("TARGET"), help="target folder or Hub id (default: SmolLM2-135M-Instruct)"
-    )
     parser.add_argument(
         "--draft",
         default=_env("DRAFT"),
@@ -95,11 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("SHUTDOWN_TIMEOUT", 30.0, float),
         help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
     )
-    parser.add_argument("--dtype", default=_env("DTYPE"), help="weights' dtype: float32 (default), bfloat16, ...")
-    parser.add_argument("--device", default=_env("DEVICE"), help="e.g. cuda (default: the CPU)")
-    parser.add_argument("--threads", type=int, default=_env("THREADS", None, int), help="torch CPU threads")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"), help="uvicorn log level (default: info)")
-    # every forward runs on --kernels, with or without speculation; DSPARK_POLICY etc. set these flags' defaults
+    # DSPARK_TARGET, DSPARK_POLICY etc. set these flags' defaults; every forward runs on --kernels
+    models = {"target": _env("TARGET"), "dtype": _env("DTYPE"), "device": _env("DEVICE")}
+    add_model_arguments(parser, defaults={**models, "threads": _env("THREADS", None, int)})
     add_speculation_arguments(parser, defaults={f.name: _env(f.name.upper()) for f in fields(SpeculationArguments)})
 
 
