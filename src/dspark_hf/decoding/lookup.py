@@ -166,7 +166,7 @@ class LookupGate(PayoffGuard):
 class LookupIndex:
     """An incremental n-gram index of one growing sequence (a request's prompt and output): the same answer as
     [`lookup_continuation`] on the whole sequence, at a cost proportional to the tokens added since the last call
-    instead of the sequence's length (the engine keeps one per request).
+    instead of the sequence's length (each driver keeps one per sequence).
 
     Args:
         prompt (`list[int]`): the sequence's first tokens.
