@@ -4,7 +4,7 @@ On the real default target (SmolLM2-135M-Instruct, fp32, offline): a chat prompt
 then one forward over `R` rows × `L` new tokens on that cache is timed (the shape of an engine round: `L = 1`
 without drafts, `1 + drafts` when verifying), and the new tokens are cropped off again. Kernel modes and shapes
 are interleaved in every repeat; a figure is the median over repeats of the median of `--steps` forwards.
-(That the exact mode's rows are identical to one-row decoding is checked by tests/test_engine_exact.py.)
+(That the exact mode's rows are identical to one-row decoding is checked by tests/decoding/test_engine_exact.py.)
 `--prefill` times one prompt's prefill of 64 … 1024 tokens instead, with the exact mode's prefill limit
 (`EXACT_MAX_ROWS`) lifted so that the exact side runs the exact kernels at every length.
 

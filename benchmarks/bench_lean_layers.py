@@ -7,7 +7,7 @@ model's own forward), the exact mode with the lean path switched off (transforme
 MLP modules, whose linears and attention still run on the exact kernels), then stock kernels for reference. The
 configurations and row counts are interleaved in every repeat; each figure is the median over repeats of the
 median forward time within a repeat. (Batch invariance and agreement with the stock layers
-are checked by tests/test_kernels.py, not here.)
+are checked by tests/kernels/test_kernels.py, not here.)
 
     python benchmarks/bench_lean_layers.py --repeats 3 --threads 2 --out benchmarks/results/lean_layers.json
 """

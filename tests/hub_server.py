@@ -47,6 +47,10 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
 
 
+#: the tokens of the test Hub's two users (the `hub` fixture in conftest.py logs in as alice)
+ALICE, BOB = "hf_alice_token", "hf_bob_token"
+
+
 @dataclass(frozen=True)
 class Blob:
     """One file version: its bytes and whether it is stored as an LFS object."""

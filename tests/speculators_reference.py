@@ -1,4 +1,4 @@
-"""speculators 0.9.0 itself as the reference for the speculators format (tests/test_speculators_reference.py).
+"""speculators 0.9.0 itself as the reference for the speculators format (tests/model/test_speculators_reference.py).
 
 vLLM's `speculators` library pins `transformers<=5.19`, which conflicts with the release this project is tested
 with (constraints.txt), so it is not a dev dependency. Instead [`speculators_path`] installs it once, without its

@@ -3,7 +3,7 @@
     python examples/default_drafts/build_prompts.py --output data/prompts.jsonl
 
 Shortest-first keeps each batch of `dspark prepare-data` (fixed chunks of this list) nearly free of padding.
-None of these prompts is an evaluation prompt: see `dspark_hf.evaluation.prompt_sets` and `tests/test_prompt_sets.py`.
+None of these prompts is an evaluation prompt: see `dspark_hf.evaluation.prompt_sets` and `tests/evaluation/test_prompt_sets.py`.
 The file is not committed (ShareGPT declares no licence); this script rebuilds it exactly (seeded).
 """
 

@@ -5,7 +5,7 @@
 Every usable ShareGPT first turn before the held-out slice except the 160 calibration prompts' chat half, the
 227 stdlib write-this-function requests six times each (each answered afresh: the batches sample with their
 own seeds), and 3,000 templated word problems drawn with a new seed (none a calibration problem). None is an
-evaluation prompt (`tests/test_prompt_sets.py` checks the pools). The rows are sorted by length into chunks of
+evaluation prompt (`tests/evaluation/test_prompt_sets.py` checks the pools). The rows are sorted by length into chunks of
 `--chunk` (one `prepare-data` batch each, so a batch is nearly free of padding) and the chunks are shuffled:
 a run stopped at a time limit then keeps a sample of every length and source, not only the shortest prompts.
 """

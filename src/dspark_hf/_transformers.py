@@ -1,4 +1,4 @@
-"""Every use of transformers' private or version-dependent API, in one place (`tests/test_transformers_api.py`
+"""Every use of transformers' private or version-dependent API, in one place (`tests/kernels/test_transformers_api.py`
 checks each against the installed release).
 
 Here too, in its own section at the end, the mechanics of the `generate()` hook (`GenerationMixin.
@@ -269,7 +269,7 @@ def commit_hash(config) -> str | None:
 # ------------------------------------------------------------------------ the generate() hook (dspark_hf.decoding.generation)
 # transformers' assisted decoding picks its candidate generator in the private `_get_candidate_generator`, an
 # if/elif chain with no registry; a third-party drafter has to wrap it. The wrapping lives here, signature-guarded
-# and pinned by `tests/test_transformers_contract.py`; what DSpark does inside it lives in decoding/generation.py.
+# and pinned by `tests/kernels/test_transformers_contract.py`; what DSpark does inside it lives in decoding/generation.py.
 
 #: The parameters of `GenerationMixin._get_candidate_generator` the hook was written against.
 EXPECTED_GET_CANDIDATE_GENERATOR_PARAMS = (
@@ -371,7 +371,7 @@ def hook_generate(wrapper) -> None:
 # ------------------------------------------------------------------------ the target's CPU kernels (dspark_hf.kernels)
 # The exact kernel mode swaps the forwards of transformers' Llama-family layers and base models for compiled calls.
 # Everything it needs to know about transformers' (and torch's module-hook) internals is asked here, one helper per
-# question, each pinned by `tests/test_transformers_api.py`.
+# question, each pinned by `tests/kernels/test_transformers_api.py`.
 
 #: What [`active_output_collector`] returns on a release that keeps its output collector elsewhere.
 UNKNOWN_COLLECTOR = "unknown"

@@ -15,7 +15,7 @@ the exact kernels' extension (`exact_kernels.cpp`):
 
 They call the kernels the exact mode's eager path calls for the draft (the lean layer calls, the compiled
 RMSNorm, the exact linear kernel; the rotation from the same cos/sin values), in the same order, so drafted tokens,
-base logits and confidence logits equal the eager path's bit for bit (`tests/test_compiled_round.py`). Sampling
+base logits and confidence logits equal the eager path's bit for bit (`tests/decoding/test_compiled_round.py`). Sampling
 rounds use steps 1-2 and the eager sequential head. Whatever the draft proposes, verification is the target's:
 output never depends on this module.
 

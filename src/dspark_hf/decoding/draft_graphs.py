@@ -16,8 +16,8 @@ and fixed memory addresses, so [`padded_draft_step`] is the same step written fo
 
 The step itself *is* [`draft_block`]'s backbone followed by [`sample_block`] (`guessed_path=False`) and
 [`score_block`]; only the context's shape and mask differ, so its tokens, processed logits and confidences
-are those of the eager path (`tests/test_graphs.py` checks it on the CPU for every head, greedy and sampling,
-with and without a draft vocabulary subset; `tests/test_compile.py`'s `fullgraph` capture covers it too).
+are those of the eager path (`tests/decoding/test_graphs.py` checks it on the CPU for every head, greedy and sampling,
+with and without a draft vocabulary subset; `tests/decoding/test_compile.py`'s `fullgraph` capture covers it too).
 
 **Why `torch.cuda.CUDAGraph` and not `torch.compile(mode="reduce-overhead")`.** A graph replays exactly the
 kernels of the eager padded step, so the eager-vs-padded test on the CPU carries over to the GPU bit for bit;
@@ -26,7 +26,7 @@ minutes compiling each bucket on a first call. The static buffers are also ours:
 written in place, only the newly committed tokens each round, whereas compiled CUDA-graph trees copy every
 input that is not a parameter into their own buffers at each replay (the whole padded KV) unless it is marked
 static, and overwrite their outputs on the next replay behind our back. `torch.compile(fullgraph=True)` stays
-useful as a check that the step has no graph break (`tests/test_graphs.py`).
+useful as a check that the step has no graph break (`tests/decoding/test_graphs.py`).
 
 [`DraftStepGraphs`] runs the step for `generate()` (R = 1; written for R rows): it mirrors each row's
 [`KVStore`] into the padded buffer (the new tokens only), fills the length, anchor and noise buffers, and

@@ -22,7 +22,7 @@ place at each row's own positions, with masks and positions built on the device 
 
 Exactness does not depend on batching: every request sees exactly its own context (masks and position
 ids), so greedy output equals plain `generate()` on that prompt alone and sampling follows the target's
-distribution (`tests/test_engine.py`, `tests/test_engine_sampling.py`, `tests/test_engine_lookup.py`).
+distribution (`tests/decoding/test_engine.py`, `tests/decoding/test_engine_sampling.py`, `tests/decoding/test_engine_lookup.py`).
 
 Example:
 

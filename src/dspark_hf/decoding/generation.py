@@ -4,7 +4,7 @@ transformers' assisted decoding picks its candidate generator in the private
 `GenerationMixin._get_candidate_generator`; there is no registry. `install_generate_hook` wraps that one
 method: when the assistant is a [`DSparkDraftModel`] it returns a [`DSparkCandidateGenerator`], otherwise
 it calls the original untouched, so every other mode (plain assistants, prompt lookup, DFlash, MTP)
-behaves exactly as without this package. `tests/test_transformers_contract.py` fails loudly if a
+behaves exactly as without this package. `tests/kernels/test_transformers_contract.py` fails loudly if a
 transformers release changes the wrapped signature or the protocol below.
 
 The protocol (transformers >= 5.8): a generator with `requires_model_outputs = True` receives the target's

@@ -66,7 +66,7 @@ def lookup_continuation(ids: torch.Tensor, config: LookupConfig, limit: int | No
     them; `[]` when no suffix recurs.
 
     The reference definition of the lookup, a whole-sequence search: no driver calls it (both search the
-    incremental [`LookupIndex`], which `tests/test_lookup.py` checks gives this answer at every length).
+    incremental [`LookupIndex`], which `tests/decoding/test_lookup.py` checks gives this answer at every length).
 
     Args:
         ids (`torch.LongTensor`): the sequence so far, `[T]` (any device; searched on the CPU).

@@ -37,6 +37,7 @@ from .stats import GenerationStats
 #: (a row whose policy has not drafted for a long while).
 _PENDING_LIMIT = 256
 
+
 @dataclass
 class DraftRow:
     """One sequence's draft-side state.

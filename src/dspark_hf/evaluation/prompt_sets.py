@@ -11,7 +11,7 @@ Evaluation sets (each resolved from a PyPI package, see the docs' results page):
 
 Training prompts ([`training_prompts`]) come from ShareGPT conversations *before* the held-out slice, from
 Python standard-library functions (write-this-function requests built from their docstrings) and from
-templated arithmetic word problems; none of them is an evaluation prompt (`tests/test_prompt_sets.py`).
+templated arithmetic word problems; none of them is an evaluation prompt (`tests/evaluation/test_prompt_sets.py`).
 """
 
 from __future__ import annotations

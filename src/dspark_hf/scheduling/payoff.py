@@ -16,7 +16,7 @@ length) and the engine's [`LookupGate`] (copy rounds). Each of them keeps, per n
 
 The guard holds the state (the per-size sums, the waits, the rounds waited, whether this round is a probe) and
 the rules; *what* counts as a waited round and *when* to probe stays with each decider (they differ, and the
-tests in `tests/test_scheduler_adaptive.py`, `tests/test_scheduler_uniform.py` and `tests/test_engine_lookup.py`
+tests in `tests/scheduling/test_scheduler_adaptive.py`, `tests/scheduling/test_scheduler_uniform.py` and `tests/decoding/test_engine_lookup.py`
 pin their decisions).
 """
 

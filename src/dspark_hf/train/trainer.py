@@ -10,7 +10,7 @@ into the draft's own parameters only (the target, its embedding and its LM head 
 
 Reproducibility: the data order and every anchor are pure functions of (seed, epoch, sequence index), and
 checkpoints hold the weights, the optimizer and the scheduler, so a resumed run computes exactly the steps
-the interrupted one would have (on CPU, the same losses to the last digit; see `tests/test_train_resume.py`).
+the interrupted one would have (on CPU, the same losses to the last digit; see `tests/train/test_train_resume.py`).
 """
 
 from __future__ import annotations

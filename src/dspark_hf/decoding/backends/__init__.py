@@ -19,7 +19,7 @@ eligible wins). The eager backend is always eligible and never declines, so ever
 | eager | `eager.py` | everywhere | never |
 
 Whatever a backend drafts, verification is the target's: output never depends on the backend
-(`tests/test_compiled_round.py` and `tests/test_graphs.py` check they draft what the eager backend drafts).
+(`tests/decoding/test_compiled_round.py` and `tests/decoding/test_graphs.py` check they draft what the eager backend drafts).
 """
 
 from __future__ import annotations
