@@ -11,8 +11,7 @@
    (argmax when greedy), with the draft-vocabulary expansion and its fallback, and the confidence logits.
 4. [`score_block`]: confidence logits → uncalibrated confidence `σ(z)`, calibrated `σ(z / T_k)`, survival
    (their running product) — the only place this math lives.
-5. [`read_round`]: the round's **one** device→host copy: drafted tokens and the scores, packed in one tensor
-   (with `generate()`'s newest token when prompt lookup needs it on the host).
+5. [`read_round`]: the round's **one** device→host copy: drafted tokens and the scores, packed in one tensor.
 6. [`verified_lengths`]: the policy's lengths from the (host) survival matrix, clipped to each row's budget and
    to the first end-of-sequence token; [`round_stats`] builds each row's [`RoundStats`].
 
@@ -32,7 +31,7 @@ default there and off on accelerators (`guessed_path=None`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -200,8 +199,7 @@ class HostRound:
     """What the host reads of a round, from one device→host copy ([`read_round`]): python lists per row.
 
     `confidence_logits`, `confidence` and `calibrated` are empty lists without a confidence head; `survival`
-    is then all ones (what the policies see). `newest` holds the tokens the round's read carried besides the block
-    (`generate()`'s newest token with prompt lookup on, see [`read_round`]).
+    is then all ones (what the policies see).
     """
 
     tokens: list[list[int]]
@@ -209,7 +207,6 @@ class HostRound:
     confidence: list[list[float]]
     calibrated: list[list[float]]
     survival: list[list[float]]
-    newest: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- 1. context
@@ -428,29 +425,19 @@ def score_block(block: DraftedBlock, temperatures: torch.Tensor) -> BlockScores:
     return BlockScores(torch.sigmoid(z), calibrated, survival_probabilities(calibrated))
 
 
-def read_round(block: DraftedBlock, scores: BlockScores, newest: torch.Tensor | None = None) -> HostRound:
-    """The round's one device→host copy: tokens and scores packed in one float64 tensor `[R, 5γ]`.
-
-    `newest` (`torch.LongTensor` of shape `(n,)`, *optional*): tokens on the device that the host should learn in
-    the same copy (`generate()`'s newest committed token, which prompt lookup indexes); appended to the packed
-    tensor (as float64, exact for any vocabulary) and returned in `HostRound.newest`.
-    """
+def read_round(block: DraftedBlock, scores: BlockScores) -> HostRound:
+    """The round's one device→host copy: tokens and scores packed in one float64 tensor `[R, 5γ]`."""
     parts = [block.tokens.double()]
     if block.confidence_logits is not None:
         parts += [block.confidence_logits.double(), scores.confidence.double(), scores.calibrated.double()]
     parts.append(scores.survival.double().to(block.tokens.device))
-    packed = torch.cat(parts, dim=-1)
-    rows, width = packed.shape
-    if newest is not None and newest.numel():
-        packed = torch.cat([packed.flatten(), newest.double().to(packed.device)])
-    flat = packed.flatten().tolist()  # the host read
+    packed = torch.cat(parts, dim=-1).tolist()  # the host read
     gamma = block.tokens.shape[1]
-    cols = [[flat[r * width + i * gamma : r * width + (i + 1) * gamma] for r in range(rows)] for i in range(len(parts))]
+    cols = [[row[i * gamma : (i + 1) * gamma] for row in packed] for i in range(len(parts))]
     tokens = [[int(t) for t in row] for row in cols[0]]
-    extra = [int(t) for t in flat[rows * width :]]
     if block.confidence_logits is None:
-        return HostRound(tokens, [], [], [], cols[1], extra)
-    return HostRound(tokens, cols[1], cols[2], cols[3], cols[4], extra)
+        return HostRound(tokens, [], [], [], cols[1])
+    return HostRound(tokens, cols[1], cols[2], cols[3], cols[4])
 
 
 def verified_lengths(policy, context, host: HostRound, budgets: list[int], eos: list[set[int]]) -> list[int]:

@@ -76,9 +76,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     Prompt lookup (`dspark_hf.decoding.lookup`), when on, proposes before the draft drafts: a round whose last
     tokens recur in the context verifies the copy instead of a draft; verification is the same, so output stays
-    exactly the target's. The sequence is on the device and its newest token is the target's, so the lookup
-    index learns it in the round's one host read ([`Speculator.propose`]: the search before it uses the key that
-    ends one token earlier, whose match predicts that token).
+    exactly the target's.
     """
 
     requires_model_outputs = True
@@ -119,7 +117,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         setup = BackendSetup(rows=1, max_length=self.max_length, processors=logits_processor, do_sample=self.do_sample)
         self.speculator = Speculator(draft, target, self.options, setup, stats=self.stats)
         remember_generation_stats(draft, self.stats)  # `dspark_hf.last_generation_stats(draft)` reads them, live
-        self.row = DraftRow(KVStore(self.max_length), stats=self.stats, unread=self._unread_tokens)
+        self.row = DraftRow(KVStore(self.max_length), stats=self.stats, read_new=self._read_new_tokens)
         self.greedy = not self.do_sample and not logits_processor
         self._proposal: Proposal | None = None
         self._input_ids: torch.LongTensor | None = None
@@ -205,12 +203,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             )
         self.row.pending.append(feats)
 
-    def _unread_tokens(self) -> torch.Tensor:
-        """The committed tokens prompt lookup does not hold on the host yet, on the device: usually the newest one
-        alone (the target's, picked in transformers' verification; the tokens before it were proposed here), the
-        whole sequence at the first search. The [`Speculator`] reads them with the round's one read."""
+    def _read_new_tokens(self) -> list[int]:
+        """The tokens committed since prompt lookup last searched, on the host (its one read of the round; the
+        whole prompt on the first search). Only called when lookup searches."""
         known = len(self.row.prompt) + len(self.row.generated)
-        return self._input_ids[0, known:]
+        return self._input_ids[0, known:].tolist()
 
     def _head(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor) -> DraftedBlock:
         """The sequential head of this call's row (`[1, P, d]`, `[1, P, K]` in): [`_sample_sequentially`]."""

@@ -46,20 +46,18 @@ class DraftRow:
         store: its draft context: a `KVStore` (`generate()`), or its `SlotRow` of the engine's `SlotKV`.
         prompt (`list[int]`): the prompt's tokens on the host (what prompt lookup indexes first).
         generated (`list[int]`): the tokens generated so far, on the host (the engine's request list itself).
-        unread (`Callable`, *optional*): for a driver whose tokens are on the device (`generate()`): returns the
-            committed tokens the host does not hold yet (those after `prompt + generated`), as a device tensor.
-            Read only with prompt lookup on, in the round's one read ([`Speculator.propose`]).
+        read_new (`Callable`, *optional*): returns the tokens committed since the last call, for a driver whose
+            tokens are not on the host (`generate()`); called only when prompt lookup searches.
         stats ([`GenerationStats`], *optional*): where the row's rounds are recorded.
     """
 
     store: object
     prompt: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
-    unread: Callable[[], torch.Tensor] | None = None
+    read_new: Callable[[], list[int]] | None = None
     stats: GenerationStats | None = None
     pending: list[torch.Tensor] = field(default_factory=list)  # committed target features not yet ingested
     lookup: LookupIndex | None = None
-    caught_up: bool = False  # this round's read left only the target's coming token(s) off the host
 
     @property
     def pending_tokens(self) -> int:
@@ -71,14 +69,11 @@ class Proposal:
     """One round's proposal for R rows.
 
     Args:
-        source (`str`): `"draft"`, `"lookup"` (the rows' copies), `"lookup_miss"` (a copy round in which every
-            row `missed`: nothing proposed) or `"plain"` (nothing proposed).
+        source (`str`): `"draft"`, `"lookup"` (the rows' copies) or `"plain"` (nothing proposed).
         tokens (`list[list[int]]`): each row's proposed tokens on the host (a drafted row's whole block, a copy).
         lengths (`list[int]`): how many of them each row verifies.
         block ([`DraftedBlock`], *optional*): the drafted block on the device (its `q` for verification).
         host ([`HostRound`], *optional*): what the round's one host read brought (a drafting round).
-        missed (`list[bool]`): per row, a copy predicted before the round's read that did not materialise after
-            it (a copy round in which the row proposes nothing: see [`Speculator.propose`]).
         started, backbone_done, proposed (`float`): `perf_counter` stamps; `started` excludes the catch-up of
             rounds that did not draft, which is not this round's cost.
     """
@@ -92,7 +87,6 @@ class Proposal:
     started: float = 0.0
     backbone_done: float = 0.0
     proposed: float = 0.0
-    missed: list[bool] = field(default_factory=list)
 
 
 class Speculator:
@@ -134,7 +128,6 @@ class Speculator:
         self.gate = LookupGate() if self.lookup is not None else None
         self.stats = stats
         self.backends = backends or choose_backends(draft, options, setup or BackendSetup(), stats=stats)
-        self._late_search = False  # this round's prediction found no copy: its read may search the whole key
 
     # ------------------------------------------------------------------ the round
     def propose(self, rows: list[DraftRow], anchors, budgets: list[int], eos: list, **sampling) -> Proposal:
@@ -148,23 +141,14 @@ class Speculator:
         2. plan: the policy may fix one length before drafting; `0`, or no budget anywhere, makes a plain round;
         3. ingest: the rows' pending target features enter the draft's context (catch-up is not this round's cost);
         4. draft: the first backend that takes the round drafts the block and its scores, on the device;
-        5. read: the round's one device→host copy (tokens and scores, and the rows' `unread` tokens);
+        5. read: the round's one device→host copy (tokens and scores);
         6. lengths: the policy's lengths from the survival matrix, clipped to each row's budget and first EOS.
-
-        A row whose newest tokens are on the device only (`generate()`: the target's last token, which transformers'
-        verification picked) costs no second read for lookup: step 1 searches with the key that ends before them
-        (a match then predicts them, and the copy after them), and they reach the host in the round's one read:
-        step 5's in a drafting round, a read of them alone in a copy round, which then searches with the whole key.
-        A drafting round searches with the whole key after its read too, and verifies a copy found there (that the
-        prediction missed: a recurrence that starts at the newest token) instead of its draft.
         """
         started = time.perf_counter()
         self.context.planned_length = None
-        self._late_search = False
         copies = self._copies(rows, budgets)  # 1
         if copies is not None:
-            source = "lookup" if any(copies[0]) else "lookup_miss"  # a miss: every row's predicted copy failed
-            return self._undrafted(rows, source, copies[0], budgets, started, missed=copies[1])
+            return self._undrafted(rows, "lookup", copies, budgets, started)
         if max(budgets) > 0:  # 2
             self.context.planned_length = self.policy.plan_length(len(rows), self.gamma, self.context)
         if max(budgets) <= 0 or self.context.planned_length == 0:
@@ -174,13 +158,7 @@ class Speculator:
             anchors = torch.tensor(anchors, device=self.draft.device)
         inputs = RoundInputs(*_stores(rows), anchors, self.context.planned_length, **sampling)
         drafted = next(d for backend in self.backends if (d := backend.propose(inputs)) is not None)  # 4
-        unread = self._unread(rows)
-        host = read_round(drafted.block, drafted.scores, _joined(unread))  # 5
-        _learn(unread, host.newest)
-        late = self._late_copies(rows, budgets) if unread and self._late_search else None
-        if late is not None:  # the whole key finds a copy the prediction did not: verify it instead of the draft
-            lengths, done = [len(c) for c in late], time.perf_counter()
-            return Proposal("lookup", late, lengths, None, None, budgets, started, drafted.backbone_done, done)
+        host = read_round(drafted.block, drafted.scores)  # 5
         lengths = verified_lengths(self.policy, self.context, host, budgets, eos)  # 6
         done = time.perf_counter()
         return Proposal(
@@ -199,9 +177,6 @@ class Speculator:
         """
         drafted = proposal.source == "draft"
         for i, row in enumerate(rows):
-            if row.caught_up:  # the host held all but the target's newest tokens: the accepted ones were proposed
-                row.generated.extend(proposal.tokens[i][: accepted[i]])
-                row.caught_up = False
             if drafted and proposal.budgets[i] > 0:  # a row without budget drafted nothing useful
                 stats = round_stats(proposal.host, i, proposal.lengths[i])
             else:
@@ -209,19 +184,16 @@ class Speculator:
             if proposal.source == "lookup" and proposal.tokens[i]:
                 stats.source, stats.drafted, stats.verified = "lookup", proposal.tokens[i], proposal.lengths[i]
                 self.gate.record(proposal.lengths[i], accepted[i])
-            elif proposal.missed and proposal.missed[i]:
-                stats.source = "lookup_miss"
             stats.accepted = accepted[i]
             stats.draft_time = proposal.backbone_done - proposal.started
             stats.sequential_time = proposal.proposed - proposal.backbone_done
             stats.verify_time = rest_seconds
             if row.stats is not None:
                 row.stats.rounds.append(stats)
-        copy_round = proposal.source in ("lookup", "lookup_miss")  # a miss counts against copying
         if self.gate is not None:
             seconds = proposal.proposed - proposal.started + rest_seconds
-            self.gate.observe(len(rows), copy_round, len(rows) + sum(accepted), seconds)
-        if copy_round:  # the policy weighs drafting against plain rounds; a copy is neither
+            self.gate.observe(len(rows), proposal.source == "lookup", len(rows) + sum(accepted), seconds)
+        if proposal.source == "lookup":  # the policy weighs drafting against plain rounds; a copy is neither
             return
         host = proposal.host
         self.policy.observe_round(
@@ -256,69 +228,33 @@ class Speculator:
             row.pending = []
         return (time.perf_counter() - start) * (1 - latest / total)
 
-    def _undrafted(self, rows, source: str, tokens: list[list[int]], budgets, started: float, missed=()) -> Proposal:
+    def _undrafted(self, rows, source: str, tokens: list[list[int]], budgets, started: float) -> Proposal:
         """A copy or plain round: the draft does not run, except to bound the features rows hold back."""
         self.ingest([r for r in rows if r.pending_tokens >= _PENDING_LIMIT])
         now = time.perf_counter()
-        lengths = [len(t) for t in tokens]
-        return Proposal(source, tokens, lengths, None, None, budgets, started, now, now, missed=list(missed))
+        return Proposal(source, tokens, [len(t) for t in tokens], None, None, budgets, started, now, now)
 
     # ------------------------------------------------------------------ prompt lookup
-    def _copies(self, rows: list[DraftRow], budgets: list[int]) -> tuple[list[list[int]], list[bool]] | None:
-        """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget, and which
-        rows `missed`; `None` when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this
-        batch size.
-
-        Rows with `unread` tokens are searched with the key that ends before them ([`_search`]); where those
-        predictions make a copy pay, this is a copy round: the unread tokens are read (the round's one read) and
-        the rows searched again with the whole key, whose copy is the one proposed (what a search on the host
-        sequence finds). A row whose prediction was wrong and whose whole key finds nothing to pay proposes
-        nothing in this round (`missed`): drafting it would take a second read.
-        """
+    def _copies(self, rows: list[DraftRow], budgets: list[int]) -> list[list[int]] | None:
+        """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget; `None`
+        when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this batch size."""
         if self.lookup is None or max(budgets) <= 0 or not self.gate.allows(len(rows)):
             return None
         if self._copy_length([[0] * b for b in budgets]) == 0:  # not even a copy for every row would pay: no search
             self.gate.probing = False
             return None
-        copies = [self._search(row, budget) for row, budget in zip(rows, budgets)]
+        copies = []
+        for row, budget in zip(rows, budgets):
+            if row.read_new is not None:
+                row.generated.extend(row.read_new())
+            if row.lookup is None:
+                row.lookup = LookupIndex(row.prompt, self.lookup)
+            copies.append(row.lookup.continuation(row.generated, budget) if budget > 0 else [])
         length = self._copy_length(copies) if any(copies) else 0
         if length == 0:
-            self._late_search = not self.gate.probing  # a drafting round's read may still find one (not in a probe)
             self.gate.probing = False  # nothing was tried: a probe waits for a round that can copy
             return None
-        missed = [False] * len(rows)
-        unread = self._unread(rows)
-        if unread:  # the copy round's one read, then the whole key
-            _learn(unread, _joined(unread).tolist())
-            predicted, copies = copies, [self._search(row, budget) for row, budget in zip(rows, budgets)]
-            length = self._copy_length(copies) if any(copies) else 0
-            missed = [bool(p) and not c[:length] for p, c in zip(predicted, copies)]
-        return [c[:length] for c in copies], missed
-
-    def _late_copies(self, rows: list[DraftRow], budgets: list[int]) -> list[list[int]] | None:
-        """After a drafting round's read: the rows' copies with the whole key (host-only), `None` where none pays."""
-        copies = [self._search(row, budget) for row, budget in zip(rows, budgets)]
-        length = self._copy_length(copies) if any(copies) else 0
-        return [c[:length] for c in copies] if length else None
-
-    def _search(self, row: DraftRow, budget: int) -> list[int]:
-        """The row's copy from its [`LookupIndex`], at most `budget` tokens. For a row with `u` unread tokens the
-        key ends before them: the match's first `u` tokens predict them and the rest is the copy predicted after
-        them (nothing is read)."""
-        if budget <= 0:
-            return []
-        if row.lookup is None:
-            row.lookup = LookupIndex(row.prompt, self.lookup)
-        unread = row.unread().shape[0] if row.unread is not None else 0
-        return row.lookup.continuation(row.generated, budget + unread)[unread:]
-
-    def _unread(self, rows: list[DraftRow]) -> list[tuple[DraftRow, torch.Tensor]]:
-        """`(row, its unread tokens on the device)` for the rows that have any, with prompt lookup on (nothing else
-        needs them on the host)."""
-        if self.lookup is None:
-            return []
-        pairs = [(row, row.unread()) for row in rows if row.unread is not None]
-        return [(row, tokens) for row, tokens in pairs if tokens.numel()]
+        return [c[:length] for c in copies]
 
     def _copy_length(self, copies: list[list[int]]) -> int:
         """How many copied tokens a copy round verifies per row: where the target's SPS profile is known, the
@@ -333,22 +269,6 @@ class Speculator:
         rows = len(copies)
         measured = {b: statistics.median(ts) for (r, b), ts in self.context.round_seconds.items() if r == rows}
         return uniform_length(self.gate.survival(copies), rows, sps, measured=measured)
-
-
-def _joined(unread: list[tuple[DraftRow, torch.Tensor]]) -> torch.Tensor | None:
-    """The rows' unread tokens as one device tensor (what the round's read carries), `None` without any."""
-    return torch.cat([tokens for _, tokens in unread]) if unread else None
-
-
-def _learn(unread: list[tuple[DraftRow, torch.Tensor]], values: list[int]) -> None:
-    """Append the read `values` (the rows' unread tokens, in order) to the rows' host lists: each row now holds
-    every committed token, and [`Speculator.observe`] adds the proposed tokens the target accepts."""
-    at = 0
-    for row, tokens in unread:
-        count = tokens.shape[0]
-        row.generated.extend(int(v) for v in values[at : at + count])
-        row.caught_up = True
-        at += count
 
 
 def _stores(rows: list[DraftRow]) -> tuple[object, list, list[int] | None]:

@@ -24,10 +24,9 @@ class RoundStats:
         draft_time (`float`): seconds in the backbone (context update + block forward + base logits).
         sequential_time (`float`): seconds in the left-to-right sampling loop (sequential + confidence heads).
         verify_time (`float`): seconds from handing candidates to the target until the acceptance was known.
-        source (`str`): who proposed the verified tokens: `"draft"` (the draft, or nobody in a plain round),
+        source (`str`): who proposed the verified tokens: `"draft"` (the draft, or nobody in a plain round) or
             `"lookup"` (copied from the context by prompt lookup, see `dspark_hf.decoding.lookup`; `drafted`
-            then holds the copied tokens and the confidence fields are empty) or `"lookup_miss"` (`generate()`:
-            a copy predicted before the newest token was read did not materialise; nothing was proposed).
+            then holds the copied tokens and the confidence fields are empty).
     """
 
     drafted: list[int]
@@ -88,11 +87,6 @@ class GenerationStats:
     def lookup_rounds(self) -> int:
         """`int`: rounds whose verified tokens prompt lookup copied from the context."""
         return sum(r.source == "lookup" for r in self.rounds)
-
-    @property
-    def lookup_misses(self) -> int:
-        """`int`: rounds that read the newest token for a predicted copy, found none and proposed nothing."""
-        return sum(r.source == "lookup_miss" for r in self.rounds)
 
     @property
     def mean_verified(self) -> float:
