@@ -1,25 +1,49 @@
-import sys, time, torch
-torch.set_num_threads(1)
-import dspark_hf
-from dspark_hf.default_model import load_default_target, load_draft, chat_inputs
+"""τ of speculative `generate()` with the shipped draft at its defaults, on the first N prompts of an evaluation set.
+
+    python tau.py gsm8k 8 after                          # the current checkout
+    PYTHONPATH=<before>/src python tau.py gsm8k 8 before   # an older tree (it reads stats off the draft)
+
+Greedy, 96 new tokens, one thread. Prints each prompt's `[copy rounds, lookup misses]` and τ, then the pooled τ.
+"""
+
+import sys
+import time
+
+import torch
+
+import dspark_hf  # noqa: F401  (registers the generate() hook)
+from dspark_hf.default_model import chat_inputs, load_default_target, load_draft
 from dspark_hf.evaluation.prompt_sets import load_prompt_set
-try:
-    from dspark_hf import last_generation_stats
-    stats_of = last_generation_stats
-except ImportError:
-    stats_of = lambda d: d.last_generation_stats
-target, tok = load_default_target()
-draft, _ = load_draft(target)
-items = load_prompt_set(sys.argv[1], limit=int(sys.argv[2]))
-toks = rounds = 0; t = 0
-for it in items:
-    inp = chat_inputs(tok, it.prompt)
-    s = time.perf_counter()
-    out = target.generate(**inp, assistant_model=draft, max_new_tokens=96, do_sample=False, pad_token_id=tok.eos_token_id)
-    t += time.perf_counter() - s
-    st = stats_of(draft)
-    rounds += st.num_rounds; toks += st.tau * st.num_rounds
-    look = getattr(st, "lookup_rounds", None); miss = getattr(st, "lookup_misses", None)
-    print(f"[{look},{miss}]", end="")
-    print(round(st.tau, 2), end=" ", flush=True)
-print(f"\n{sys.argv[3]}: tokens {toks} rounds {rounds} tau {toks/max(rounds,1):.2f} seconds {t:.1f}")
+
+
+def stats_of(draft):
+    try:
+        from dspark_hf import last_generation_stats
+    except ImportError:  # before the redesign the stats sat on the draft
+        return draft.last_generation_stats
+    return last_generation_stats(draft)
+
+
+def main() -> None:
+    set_name, limit, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    target, tokenizer = load_default_target()
+    draft, _ = load_draft(target)
+    tokens = rounds = seconds = 0.0
+    for item in load_prompt_set(set_name, limit=limit):
+        inputs = chat_inputs(tokenizer, item.prompt)
+        start = time.perf_counter()
+        target.generate(
+            **inputs, assistant_model=draft, max_new_tokens=96, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+        seconds += time.perf_counter() - start
+        stats = stats_of(draft)
+        rounds += stats.num_rounds
+        tokens += stats.tau * stats.num_rounds
+        copies, misses = getattr(stats, "lookup_rounds", None), getattr(stats, "lookup_misses", None)
+        print(f"[{copies},{misses}]{stats.tau:.2f}", end=" ", flush=True)
+    print(f"\n{tag}: tokens {tokens:.0f} rounds {rounds:.0f} tau {tokens / max(rounds, 1):.2f} seconds {seconds:.1f}")
+
+
+if __name__ == "__main__":
+    main()
