@@ -18,6 +18,7 @@ from scipy import stats
 from transformers import GenerationConfig
 
 from dspark_hf import last_generation_stats
+from dspark_hf.decoding import speculator
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.decoding.lookup import LookupConfig, LookupIndex, lookup_continuation, resolve_lookup
 
@@ -187,10 +188,14 @@ def _sample_counts(target, draft) -> tuple[np.ndarray, dict]:
 
 
 @pytest.mark.slow
-def test_sampling_with_lookup_matches_the_targets_joint(sampling_setup):
+@pytest.mark.parametrize("late", [False, True], ids=["search before drafting", "search after the read"])
+def test_sampling_with_lookup_matches_the_targets_joint(sampling_setup, late, monkeypatch):
     """Chi-square goodness of fit of the first 3 sampled tokens (64 cells, N = 3000, alpha = 0.001; the power
     argument of `test_sampling_exactness.py` holds for this joint too: every cell >= 0.006) with most
-    verified tokens copied by lookup (asserted), and both accepted and rejected copies (asserted)."""
+    verified tokens copied by lookup (asserted), and both accepted and rejected copies (asserted). Both orders of
+    the search: a CPU's (before drafting) and an accelerator's (after the drafting round's read, which drafts in
+    copy rounds too: `Speculator.propose`)."""
+    monkeypatch.setattr(speculator, "host_reads_stall", lambda device: late)
     target, joint = sampling_setup
     assert joint.min() >= 0.002 and N * joint.min() >= 5
     draft = make_aligned_draft(target, block_size=4)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkEngine, HardwareAwarePolicy, SamplingParams, SPSProfile, last_generation_stats
-from dspark_hf.decoding import drafting
+from dspark_hf.decoding import drafting, speculator
 from dspark_hf.decoding.metrics import EngineMetrics
 from sync_counter import SyncCounter
 
@@ -149,24 +149,11 @@ def _looping_prompt() -> torch.Tensor:
     return _prompt(3, 6).repeat(1, 3)
 
 
-def _new_tokens_site() -> str:
-    """`generation.py:<line>` of the one read of the round's new tokens (`_read_new_tokens`)."""
-    import inspect
-
-    from dspark_hf.decoding.generation import DSparkCandidateGenerator
-
-    lines, first = inspect.getsourcelines(DSparkCandidateGenerator._read_new_tokens)
-    return f"generation.py:{first + next(i for i, line in enumerate(lines) if '.tolist()' in line)}"
-
-
-_NEW_TOKENS_SITE = _new_tokens_site()
-
-
-def _lookup_generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tuple[SyncCounter, dict]:
+def _lookup_generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tuple[SyncCounter, dict, list]:
     kwargs = {"do_sample": True, "top_k": 0} if do_sample else {"do_sample": False}
     torch.manual_seed(0)
     with SyncCounter(extra_files) as counter:
-        target.generate(
+        out = target.generate(
             _looping_prompt(), max_new_tokens=MAX_NEW, assistant_model=draft, dspark_policy=_policy(),
             dspark_lookup=True, pad_token_id=0, **kwargs,
         )  # fmt: skip
@@ -177,33 +164,59 @@ def _lookup_generate_syncs(target, draft, do_sample: bool, extra_files=()) -> tu
         "drafted": sum(r.source == "draft" and bool(r.drafted) for r in rounds),
     }
     assert kinds["copies"] >= 2 and kinds["drafted"] >= 2, kinds
-    return counter, kinds
+    trace = [(r.source, r.drafted[: r.verified], r.accepted) for r in rounds]
+    return counter, kinds, [out[0].tolist(), trace]
+
+
+@pytest.fixture
+def accelerator_reads(monkeypatch):
+    """The accelerator's choice: a device→host read stalls, so the search waits for the drafting round's read."""
+    monkeypatch.setattr(speculator, "host_reads_stall", lambda device: True)
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
-def test_generate_with_lookup_reads_the_new_tokens_not_the_sequence(target, do_sample):
-    """With lookup on, `generate()` searches an incremental index (`LookupIndex`, as the engine does) fed with the
-    round's new tokens: one read of them in a round that searches (at most one a round), plus a drafting round's one
-    packed read; a copy goes to the target as a slice of the sequence, already on the device. The old rescan copied
-    the whole sequence to the host (and the copy back to the device) every round (`lookup_continuation`).
-
-    Not one read a round: transformers verifies `generate()`'s rounds, so the target's bonus token (the next key's
-    last token) is on the device only, and the search must come before drafting (a copy round skips the draft).
-    Measured here: 1.5 reads a round greedy (12 rounds: 6 copies, 5 drafted), 2.0 sampling (2 copies in 27)."""
+def test_generate_with_lookup_reads_the_device_once_per_round(target, do_sample, accelerator_reads):
+    """With lookup on, where reads stall: the round's new tokens travel in the drafting round's packed read (a
+    plain or copy-only round reads them alone), so every round makes one read. The incremental index
+    (`LookupIndex`, as the engine's) is fed with those tokens; a copy goes to the target as a slice of the
+    sequence, already on the device. The old rescan copied the whole sequence to the host every round."""
     draft = _draft(target, 5)
     draft.generation_config.dspark_guessed_path = False
-    counter, kinds = _lookup_generate_syncs(target, draft, do_sample)
-    reads_of_new_tokens = sum(n for (kind, site), n in counter.by_site.items() if site.endswith(_NEW_TOKENS_SITE))
-    assert reads_of_new_tokens <= kinds["rounds"], (kinds, counter.by_site)
+    counter, kinds, _ = _lookup_generate_syncs(target, draft, do_sample)
+    assert counter.total <= kinds["rounds"] + 2, (kinds, counter.by_site)  # + the one-off setup reads
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_generate_with_lookup_on_a_cpu_reads_before_searching(target, do_sample):
+    """On a CPU (a read is a memory access) the new tokens are read before the search, so a copy round never
+    runs the draft: a drafting round then reads twice (1.5 reads a round greedy here, 2.0 sampling). The
+    counter sees that second read: this is the control of the test above."""
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    counter, kinds, _ = _lookup_generate_syncs(target, draft, do_sample)
+    assert counter.total > kinds["rounds"] + 2, (kinds, counter.by_site)
     assert counter.total <= kinds["rounds"] + kinds["drafted"] + 2, (kinds, counter.by_site)
 
 
-def test_generate_with_lookup_syncs_have_power(target, monkeypatch):
+def test_searching_after_the_read_proposes_what_searching_before_it_does(target, monkeypatch):
+    """Both orders search the whole context, so every round proposes, verifies and accepts the same tokens and
+    the greedy output is the same; the late search only drafts for nothing in its copy rounds. (Sampling draws
+    the draft's random numbers in those rounds too, so its tokens differ; its exactness is
+    `tests/decoding/test_lookup.py::test_sampling_with_lookup_matches_the_targets_joint[search after the read]`.)"""
+    draft = _draft(target, 5)
+    draft.generation_config.dspark_guessed_path = False
+    _, _, early = _lookup_generate_syncs(target, draft, False)
+    monkeypatch.setattr(speculator, "host_reads_stall", lambda device: True)
+    _, _, late = _lookup_generate_syncs(target, draft, False)
+    assert late == early
+
+
+def test_generate_with_lookup_syncs_have_power(target, monkeypatch, accelerator_reads):
     draft = _draft(target, 5)
     draft.generation_config.dspark_guessed_path = False
     _put_back_int_token(monkeypatch)
-    counter, kinds = _lookup_generate_syncs(target, draft, False, extra_files=(__file__,))
-    assert counter.total > kinds["rounds"] + kinds["drafted"] + 2, (kinds, counter.by_site)
+    counter, kinds, _ = _lookup_generate_syncs(target, draft, False, extra_files=(__file__,))
+    assert counter.total > kinds["rounds"] + 2, (kinds, counter.by_site)
 
 
 def _lookup_engine_syncs(target, draft, extra_files=()) -> tuple[float, SyncCounter, EngineMetrics]:

@@ -31,7 +31,7 @@ default there and off on accelerators (`guessed_path=None`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (
@@ -207,6 +207,7 @@ class HostRound:
     confidence: list[list[float]]
     calibrated: list[list[float]]
     survival: list[list[float]]
+    extra: list[int] = field(default_factory=list)  # token ids the read carried besides the block ([`read_round`])
 
 
 # ---------------------------------------------------------------------- 1. context
@@ -425,19 +426,29 @@ def score_block(block: DraftedBlock, temperatures: torch.Tensor) -> BlockScores:
     return BlockScores(torch.sigmoid(z), calibrated, survival_probabilities(calibrated))
 
 
-def read_round(block: DraftedBlock, scores: BlockScores) -> HostRound:
-    """The round's one device→host copy: tokens and scores packed in one float64 tensor `[R, 5γ]`."""
+def read_round(block: DraftedBlock, scores: BlockScores, extra: torch.Tensor | None = None) -> HostRound:
+    """The round's one device→host copy: tokens and scores packed in one float64 tensor `[R, 5γ]`, and `extra`
+    (token ids on the device the host also needs this round, e.g. `generate()`'s newest tokens for prompt lookup:
+    `HostRound.extra`) in the same copy."""
     parts = [block.tokens.double()]
     if block.confidence_logits is not None:
         parts += [block.confidence_logits.double(), scores.confidence.double(), scores.calibrated.double()]
     parts.append(scores.survival.double().to(block.tokens.device))
-    packed = torch.cat(parts, dim=-1).tolist()  # the host read
+    packed = torch.cat(parts, dim=-1)
+    extras: list[int] = []
+    if extra is None or extra.numel() == 0:
+        packed = packed.tolist()  # the host read
+    else:
+        rows, width = packed.shape
+        flat = torch.cat([packed.flatten(), extra.to(packed.device, torch.float64)]).tolist()  # the host read
+        packed = [flat[r * width : (r + 1) * width] for r in range(rows)]
+        extras = [int(t) for t in flat[rows * width :]]
     gamma = block.tokens.shape[1]
     cols = [[row[i * gamma : (i + 1) * gamma] for row in packed] for i in range(len(parts))]
     tokens = [[int(t) for t in row] for row in cols[0]]
     if block.confidence_logits is None:
-        return HostRound(tokens, [], [], [], cols[1])
-    return HostRound(tokens, cols[1], cols[2], cols[3], cols[4])
+        return HostRound(tokens, [], [], [], cols[1], extras)
+    return HostRound(tokens, cols[1], cols[2], cols[3], cols[4], extras)
 
 
 def verified_lengths(policy, context, host: HostRound, budgets: list[int], eos: list[set[int]]) -> list[int]:

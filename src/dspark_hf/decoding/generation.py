@@ -76,7 +76,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     Prompt lookup (`dspark_hf.decoding.lookup`), when on, proposes before the draft drafts: a round whose last
     tokens recur in the context verifies the copy instead of a draft; verification is the same, so output stays
-    exactly the target's.
+    exactly the target's. On an accelerator the search comes after drafting, so that the round's one host read
+    carries the target's newest token with the draft ([`Speculator.propose`]).
     """
 
     requires_model_outputs = True
@@ -117,7 +118,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         setup = BackendSetup(rows=1, max_length=self.max_length, processors=logits_processor, do_sample=self.do_sample)
         self.speculator = Speculator(draft, target, self.options, setup, stats=self.stats)
         remember_generation_stats(draft, self.stats)  # `dspark_hf.last_generation_stats(draft)` reads them, live
-        self.row = DraftRow(KVStore(self.max_length), stats=self.stats, read_new=self._read_new_tokens)
+        self.row = DraftRow(KVStore(self.max_length), stats=self.stats, unread=self._unread_tokens)
         self.greedy = not self.do_sample and not logits_processor
         self._proposal: Proposal | None = None
         self._input_ids: torch.LongTensor | None = None
@@ -203,11 +204,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             )
         self.row.pending.append(feats)
 
-    def _read_new_tokens(self) -> list[int]:
-        """The tokens committed since prompt lookup last searched, on the host (its one read of the round; the
-        whole prompt on the first search). Only called when lookup searches."""
+    def _unread_tokens(self) -> torch.Tensor:
+        """The tokens committed since prompt lookup last searched, on the device (the whole sequence at the first
+        search); the [`Speculator`] reads them when lookup searches."""
         known = len(self.row.prompt) + len(self.row.generated)
-        return self._input_ids[0, known:].tolist()
+        return self._input_ids[0, known:]
 
     def _head(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchors: torch.Tensor) -> DraftedBlock:
         """The sequential head of this call's row (`[1, P, d]`, `[1, P, K]` in): [`_sample_sequentially`]."""

@@ -46,15 +46,16 @@ class DraftRow:
         store: its draft context: a `KVStore` (`generate()`), or its `SlotRow` of the engine's `SlotKV`.
         prompt (`list[int]`): the prompt's tokens on the host (what prompt lookup indexes first).
         generated (`list[int]`): the tokens generated so far, on the host (the engine's request list itself).
-        read_new (`Callable`, *optional*): returns the tokens committed since the last call, for a driver whose
-            tokens are not on the host (`generate()`); called only when prompt lookup searches.
+        unread (`Callable`, *optional*): for a driver whose tokens are on the device (`generate()`): returns the
+            committed tokens the host does not hold yet (those after `prompt + generated`), as a device tensor.
+            Read only when prompt lookup searches (see [`Speculator.propose`] for when).
         stats ([`GenerationStats`], *optional*): where the row's rounds are recorded.
     """
 
     store: object
     prompt: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
-    read_new: Callable[[], list[int]] | None = None
+    unread: Callable[[], torch.Tensor] | None = None
     stats: GenerationStats | None = None
     pending: list[torch.Tensor] = field(default_factory=list)  # committed target features not yet ingested
     lookup: LookupIndex | None = None
@@ -128,6 +129,8 @@ class Speculator:
         self.gate = LookupGate() if self.lookup is not None else None
         self.stats = stats
         self.backends = backends or choose_backends(draft, options, setup or BackendSetup(), stats=stats)
+        # rows with `unread` tokens: search after the drafting round's read, not before it (see `propose`)
+        self.search_after_read = host_reads_stall(draft.device)
 
     # ------------------------------------------------------------------ the round
     def propose(self, rows: list[DraftRow], anchors, budgets: list[int], eos: list, **sampling) -> Proposal:
@@ -143,22 +146,40 @@ class Speculator:
         4. draft: the first backend that takes the round drafts the block and its scores, on the device;
         5. read: the round's one device→host copy (tokens and scores);
         6. lengths: the policy's lengths from the survival matrix, clipped to each row's budget and first EOS.
+
+        Rows whose newest tokens are on the device only (`generate()`: transformers' verification picks the
+        target's token there) must read them before searching. On a CPU that read costs nothing and step 1 makes
+        it; where a read waits for the device (`host_reads_stall`) the search moves after step 5 instead, whose
+        one copy carries those tokens: a copy found then is verified instead of the draft (which ran for nothing).
+        Either way the search sees the whole context, so the proposals, and the output, are the same.
         """
         started = time.perf_counter()
         self.context.planned_length = None
-        copies = self._copies(rows, budgets)  # 1
+        late = self.search_after_read and any(r.unread is not None for r in rows) and self._may_copy(rows, budgets)
+        copies = None if late else self._copies(rows, budgets)  # 1
         if copies is not None:
             return self._undrafted(rows, "lookup", copies, budgets, started)
         if max(budgets) > 0:  # 2
             self.context.planned_length = self.policy.plan_length(len(rows), self.gamma, self.context)
         if max(budgets) <= 0 or self.context.planned_length == 0:
+            copies = self._search(rows, budgets) if late else None  # no draft to carry the read: its own
+            if copies is not None:
+                return self._undrafted(rows, "lookup", copies, budgets, started)
             return self._undrafted(rows, "plain", [[] for _ in rows], budgets, started)
         started += self.ingest(rows)  # 3
         if not isinstance(anchors, torch.Tensor):
             anchors = torch.tensor(anchors, device=self.draft.device)
         inputs = RoundInputs(*_stores(rows), anchors, self.context.planned_length, **sampling)
         drafted = next(d for backend in self.backends if (d := backend.propose(inputs)) is not None)  # 4
-        host = read_round(drafted.block, drafted.scores)  # 5
+        unread = [(row, row.unread()) for row in rows if row.unread is not None] if late else []
+        host = read_round(drafted.block, drafted.scores, torch.cat([t for _, t in unread]) if unread else None)  # 5
+        if late:
+            _learn(unread, host.extra)
+            copies = self._search(rows, budgets, read=False)
+            if copies is not None:  # verified instead of the draft
+                done = time.perf_counter()
+                lengths = [len(c) for c in copies]
+                return Proposal("lookup", copies, lengths, None, None, budgets, started, drafted.backbone_done, done)
         lengths = verified_lengths(self.policy, self.context, host, budgets, eos)  # 6
         done = time.perf_counter()
         return Proposal(
@@ -238,15 +259,25 @@ class Speculator:
     def _copies(self, rows: list[DraftRow], budgets: list[int]) -> list[list[int]] | None:
         """Each row's prompt-lookup copy (`[]` where its last tokens do not recur), capped at its budget; `None`
         when lookup is off, no row has a copy, or the [`LookupGate`] declines copying at this batch size."""
+        return self._search(rows, budgets) if self._may_copy(rows, budgets) else None
+
+    def _may_copy(self, rows: list[DraftRow], budgets: list[int]) -> bool:
+        """Whether this round may copy: lookup on, some budget, the gate allows this batch size, and a copy for
+        every row would pay."""
         if self.lookup is None or max(budgets) <= 0 or not self.gate.allows(len(rows)):
-            return None
+            return False
         if self._copy_length([[0] * b for b in budgets]) == 0:  # not even a copy for every row would pay: no search
             self.gate.probing = False
-            return None
+            return False
+        return True
+
+    def _search(self, rows: list[DraftRow], budgets: list[int], read: bool = True) -> list[list[int]] | None:
+        """The rows' copies at the length that pays, `None` when there is none (`read`: first bring the rows'
+        `unread` tokens to the host, one read each)."""
         copies = []
         for row, budget in zip(rows, budgets):
-            if row.read_new is not None:
-                row.generated.extend(row.read_new())
+            if read and row.unread is not None:
+                row.generated.extend(row.unread().tolist())
             if row.lookup is None:
                 row.lookup = LookupIndex(row.prompt, self.lookup)
             copies.append(row.lookup.continuation(row.generated, budget) if budget > 0 else [])
@@ -269,6 +300,20 @@ class Speculator:
         rows = len(copies)
         measured = {b: statistics.median(ts) for (r, b), ts in self.context.round_seconds.items() if r == rows}
         return uniform_length(self.gate.survival(copies), rows, sps, measured=measured)
+
+
+def host_reads_stall(device: torch.device) -> bool:
+    """Whether a device→host read waits for the device's queued work (an accelerator), so that a round should
+    read once; on a CPU it is a memory access, and a second small read costs less than a wasted draft."""
+    return torch.device(device).type != "cpu"
+
+
+def _learn(unread: list[tuple[DraftRow, torch.Tensor]], values: list[int]) -> None:
+    """Append the read `values` (the rows' unread tokens, in row order) to the rows' host lists."""
+    at = 0
+    for row, tokens in unread:
+        row.generated.extend(values[at : at + tokens.shape[0]])
+        at += tokens.shape[0]
 
 
 def _stores(rows: list[DraftRow]) -> tuple[object, list, list[int] | None]:
