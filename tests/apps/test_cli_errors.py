@@ -176,3 +176,11 @@ def test_missing_extra_names_it_in_one_line(tmp_path, monkeypatch, capsys, no_ne
     )
     code, _, err = _run(["generate", "--max-new-tokens", "2", "--repeats", "1"], capsys)
     _assert_one_line_error(code, err, "accelerate is needed", "'default-model' extra", '-e ".[default-model]"')
+
+
+def test_missing_drafts_package_names_it_in_one_line(saved_pair, monkeypatch, capsys, no_network):
+    """A shipped draft's name without `dspark-hf-drafts` installed: the package and its install command, one line."""
+    monkeypatch.setitem(sys.modules, "dspark_hf_drafts", None)  # as if not installed: importing it fails
+    argv = ["generate", "hi", "--target", str(saved_pair / "target"), "--draft", "smollm2-135m-dspark"]
+    code, _, err = _run([*argv, "--max-new-tokens", "2", "--repeats", "1"], capsys)
+    _assert_one_line_error(code, err, "'smollm2-135m-dspark'", "dspark-hf-drafts", "`pip install -e ./drafts`")
