@@ -13,7 +13,7 @@ Reported per configuration:
 * `peak RSS`: the process's peak resident memory, and `Δ RSS` over the RSS after loading the target;
 * for the cache configuration, the cache size per token on disk.
 
-`--shipped` instead measures the shape of the shipped drafts (`examples/default_drafts/train_dspark.yaml`:
+`--shipped` instead measures the shape of the shipped drafts (`research/2026-12-02-round1-drafts/train_dspark.yaml`:
 one layer, Markov rank 64, an 8,192-token draft vocabulary, 48 anchors, batch 4, feature cache) on 256-token
 sequences, once with the training label over the full vocabulary (the trainer's) and once with the earlier
 label renormalised over the subset (`old-label`: no log-partition), to show what the fix costs per step.
@@ -79,7 +79,7 @@ def run_one(seq_len: int, anchors: int, mode: str, steps: int, threads: int) -> 
     shipped = mode.startswith("shipped")
     batch = 4 if shipped else 1
     ds = synthetic_dataset(tok, target.config.vocab_size, seq_len, count=steps * batch)
-    if shipped:  # examples/default_drafts/train_dspark.yaml
+    if shipped:  # research/2026-12-02-round1-drafts/train_dspark.yaml
         model_args = ModelArguments(num_hidden_layers=1, markov_rank=64, draft_vocab_size=8192)
     else:
         model_args = ModelArguments()  # 2 draft layers, γ = 7, Markov rank 256, confidence head

@@ -19,7 +19,7 @@ From the costs it prints the τ a speculative round needs to break even and to r
 decoding on the same kernels, for whole-block (L = 7) and L = 4 rounds.
 
     python benchmarks/probe_target.py                                  # the default target (SmolLM2-135M)
-    python benchmarks/probe_target.py --target data/coder/target       # examples/coder_draft/convert_target.py
+    python benchmarks/probe_target.py --target data/coder/target       # research/2026-12-03-coder-target/convert_target.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     # before prepare-data: new prompts, none used in round 1, none a calibration or evaluation prompt
     python examples/default_drafts/round2_data.py prompts --output data/prompts_round2.jsonl
-    dspark prepare-data --config examples/default_drafts/prepare_round2.yaml
+    dspark prepare-data --config research/2026-12-03-round2-more-data/prepare_round2.yaml
     # after it: round 1's data minus its held-out sequences, plus round 2's responses; and round 1's held-out
     python examples/default_drafts/round2_data.py split --round1 data/train.jsonl \
         --round2 data/regenerated_round2.jsonl --train-output data/train_round2.jsonl \
