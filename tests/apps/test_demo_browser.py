@@ -2,37 +2,24 @@
 
 Needs Debian's `chromium` (`apt-get install -y chromium`) and the `playwright` Python package; the browser is
 never downloaded (`playwright install` is not used). Without them the test skips, unless
-`DSPARK_REQUIRE_BROWSER=1` (set by `.ci/run`), where it fails instead.
+`DSPARK_REQUIRE_BROWSER=1` (set by `.ci/run`), where it fails instead. The browser is driven with
+`dspark_hf.demo.browser`, which `scripts/demo_screenshot.py` (the docs' screenshot, with the shipped draft) uses too.
 
-It takes a screenshot of the app; with `DSPARK_UPDATE_SCREENSHOT=1` it writes it over the one in the docs,
-`docs/images/demo.png` (otherwise into the test's temporary folder, so a test run leaves the tree clean).
+It takes a screenshot of the app into the test's temporary folder and checks that it is a real rendering.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 
 from dspark_hf import last_generation_stats
+from dspark_hf.demo.browser import browser_missing, clear, free_port, open_page, send, set_number
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOT = REPO_ROOT / "docs" / "images" / "demo.png"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PROMPT = "Write a haiku about the sea."
 MAX_NEW_TOKENS = 24
 # Background loads compared. Each background token adds one token to the verification forward and one
@@ -49,24 +36,12 @@ LIGHT_LOAD, HEAVY_LOAD = 2, 4096
 
 
 def _browser_or_skip() -> None:
-    missing = None
-    if not Path(CHROMIUM).exists():
-        missing = f"Chromium is not installed at {CHROMIUM} (apt-get install -y chromium)"
-    elif importlib.util.find_spec("playwright") is None:
-        missing = "the playwright package is not installed (pip install playwright; never `playwright install`)"
-    elif importlib.util.find_spec("gradio") is None:
-        missing = "gradio is not installed (pip install 'dspark-hf[demo]')"
+    missing = browser_missing()
     if missing is None:
         return
     if os.environ.get("DSPARK_REQUIRE_BROWSER") == "1":
         pytest.fail(f"DSPARK_REQUIRE_BROWSER=1 but {missing}")
     pytest.skip(missing)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +59,7 @@ def served():
     # scheduler already verifies nothing and the slider would have nothing to shrink.
     draft, fresh = load_draft(target, "fresh")
     app = build_app(target, tokenizer, draft, fresh=fresh, caps=Caps(max_prompt_tokens=512, max_new_tokens=64))
-    port = _free_port()
+    port = free_port()
     app.launch(server_name="127.0.0.1", server_port=port, share=False, prevent_thread_lock=True, quiet=True)
     try:
         yield f"http://127.0.0.1:{port}/", target, draft, fresh
@@ -94,40 +69,8 @@ def served():
 
 @pytest.fixture
 def page(served):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(served[0])
-            page.wait_for_selector("#dspark-send")
-            yield page
-        finally:
-            browser.close()
-
-
-def _set_number(page, elem_id: str, value) -> None:
-    """Type into a gradio slider's number box and check the slider took the value."""
-    box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-    page.wait_for_function(
-        "([id, v]) => document.querySelector(`#${id} input[type=range]`).value === v", arg=[elem_id, str(value)]
-    )
-
-
-def _send(page, prompt: str) -> dict:
-    page.locator("#dspark-input textarea").fill(prompt)
-    page.locator("#dspark-send").click()
-    page.wait_for_selector('.dspark-stats[data-phase="done"]', timeout=600_000)
-    svg = page.locator("#dspark-chart svg.dspark-chart")
-    verified = svg.get_attribute("data-verified")
-    return {
-        "verified": [int(v) for v in verified.split(",")] if verified else [],
-        "stats": page.locator("#dspark-stats").inner_text(),
-    }
+    with open_page(served[0]) as page:
+        yield page
 
 
 def test_demo_in_a_browser(served, page, tmp_path_factory):
@@ -136,11 +79,11 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
 
     _, target, draft, fresh = served
     assert page.locator("#dspark-fresh-note").is_visible() == fresh
-    _set_number(page, "dspark-max-new-tokens", MAX_NEW_TOKENS)
+    set_number(page, "dspark-max-new-tokens", MAX_NEW_TOKENS)
     page.locator("#dspark-policy").get_by_text("hardware-aware", exact=True).click()
-    _set_number(page, "dspark-background", LIGHT_LOAD)
+    set_number(page, "dspark-background", LIGHT_LOAD)
 
-    light = _send(page, PROMPT)
+    light = send(page, PROMPT)
     for _ in range(2):
         # The scenario needs a profile under which the light load pays for a draft. One measured while the other
         # test worker ran can put a bump on the curve that makes even the light load decline every draft (seen
@@ -148,9 +91,8 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
         if any(light["verified"]):
             break
         get_sps_profile(target, refresh=True)
-        page.locator("#dspark-clear").click()
-        page.wait_for_selector('.dspark-stats[data-phase="idle"]')
-        light = _send(page, PROMPT)
+        clear(page)
+        light = send(page, PROMPT)
     light_stats = last_generation_stats(draft)
     assert (
         light_stats.policy.startswith("HardwareAwarePolicy(")
@@ -176,20 +118,14 @@ def test_demo_in_a_browser(served, page, tmp_path_factory):
     assert "speedup" in light["stats"] and "measured" in light["stats"] and "τ" in light["stats"]
     assert "identical to plain generate(): yes" in light["stats"]
 
-    shot = (
-        SCREENSHOT
-        if os.environ.get("DSPARK_UPDATE_SCREENSHOT") == "1"
-        else tmp_path_factory.mktemp("shot") / "demo.png"
-    )
-    shot.parent.mkdir(parents=True, exist_ok=True)
+    shot = tmp_path_factory.mktemp("shot") / "demo.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000  # a real rendering, not an empty page
 
     # same conversation (cleared), heavy background load: the scheduler verifies fewer drafts
-    page.locator("#dspark-clear").click()
-    page.wait_for_selector('.dspark-stats[data-phase="idle"]')
-    _set_number(page, "dspark-background", HEAVY_LOAD)
-    heavy = _send(page, PROMPT)
+    clear(page)
+    set_number(page, "dspark-background", HEAVY_LOAD)
+    heavy = send(page, PROMPT)
     heavy_stats = last_generation_stats(draft)
     assert heavy["verified"] == [r.verified for r in heavy_stats.rounds]
 
