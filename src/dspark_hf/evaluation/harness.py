@@ -202,11 +202,33 @@ def _methods(target, drafts: Mapping, calls: dict, packed_baseline: bool | None,
     return methods
 
 
+def machine_name(device) -> str:
+    """The machine a run measured, in words: the GPU's name, or the CPU's model and its core count."""
+    import os
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {cpu}"
+
+
 def _run_config(target, items: Mapping, temperatures: Sequence[float], settings: dict) -> dict:
-    """The run's settings, as `report.config` records them."""
+    """The run's settings, as `report.config` records them (with the date and the machine, which plots name)."""
+    import datetime
+
     import torch
 
     return {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_name(target.device),
         "target": getattr(target.config, "name_or_path", ""),
         "target_dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         "device": str(target.device),
