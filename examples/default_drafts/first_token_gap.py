@@ -19,7 +19,7 @@ the evaluation's prompts from that of the training prompts.
 
     python examples/default_drafts/first_token_gap.py --data data/eval_round6.jsonl \\
         --draft dspark7=data/runs/round7-dspark --draft dflash7=data/runs/round7-dflash
-    python examples/default_drafts/first_token_gap.py --eval-results docs/results/eval-round7-tau-seed2/results.json \\
+    python examples/default_drafts/first_token_gap.py --eval-results EVAL_OUTPUT/results.json \\
         --draft dspark7=data/runs/round7-dspark --draft dflash7=data/runs/round7-dflash
 """
 

@@ -18,7 +18,7 @@ FLAT = SPSProfile({1: 0.1, 256: 0.1}).sps  # verifying more is free
 LINEAR = SPSProfile({1: 0.1, 2: 0.2, 256: 25.6}).sps  # every token costs a full forward
 # stock CPU kernels on SmolLM2-135M (docs/cpu-packing.md): 2 tokens cost more than 8
 CPU = SPSProfile({1: 0.058, 2: 0.0977, 4: 0.0941, 8: 0.0857, 16: 0.0945, 32: 0.1293, 64: 0.1826}).sps
-# the shipped draft's prefix survival at temperature 0 (docs/results/eval)
+# the then-shipped round-1 draft's prefix survival at temperature 0 (research/2026-12-02-round1-drafts/)
 SURVIVAL = torch.tensor([0.30, 0.10, 0.05, 0.02, 0.01, 0.0, 0.0])
 
 
