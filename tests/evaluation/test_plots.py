@@ -106,3 +106,23 @@ def test_a_new_report_records_the_machine_and_the_date():
     config = _run_config(target, {"gsm8k": [None]}, [0.0], {})
     assert config["date"] == datetime.date.today().isoformat()
     assert config["machine"].startswith(f"{os.cpu_count()}-core ")
+
+
+def test_the_results_plot_script(tmp_path, capsys):
+    """`scripts/results_plot.py FOLDER` draws a saved report, and names what a report without the draft alone lacks."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "results_plot.py"
+    spec = importlib.util.spec_from_file_location("results_plot", script)
+    results_plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results_plot)
+
+    _report().save(tmp_path / "eval", plots=False)
+    assert results_plot.main([str(tmp_path / "eval"), "--output", str(tmp_path / "results.png")]) == 0
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    assert "results.png" in capsys.readouterr().out
+
+    _report(lookup=True).save(tmp_path / "lookup-only", plots=False)
+    with pytest.raises(SystemExit, match="no draft that ran without prompt lookup.*--lookup off on"):
+        results_plot.main([str(tmp_path / "lookup-only"), "--output", str(tmp_path / "none.png")])

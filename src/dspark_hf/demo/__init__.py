@@ -10,7 +10,9 @@ The package reads top-down: `settings` (the controls and caps), `reply` (one req
 baseline), `render` (the HTML: tokens, legend, chart, statistics) and `app` (the Gradio page). Everything except
 [`build_app`][dspark_hf.demo.app.build_app] is plain Python on token ids and
 [`GenerationStats`][dspark_hf.decoding.stats.GenerationStats], so it is tested without a browser;
-`app` is the only module that imports gradio (the `demo` extra), and only when a page is built.
+`app` is the only module that imports gradio (the `demo` extra), and only when a page is built. `browser` drives
+the page in headless Chromium for the browser test and the docs' screenshot (`scripts/demo_screenshot.py`); the app
+never imports it.
 """
 
 from .app import build_app, import_gradio, make_respond
