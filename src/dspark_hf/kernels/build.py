@@ -22,6 +22,8 @@ from .._paths import cache_dir
 #: The functions `exact_kernels.cpp` exports to Python.
 FUNCTIONS = (
     "linear",
+    "pack_bytes",
+    "pack_release",
     "attention",
     "rms_norm",
     "rope",

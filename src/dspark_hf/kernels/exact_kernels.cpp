@@ -5,12 +5,12 @@
 // in the call, how they are tiled, or how many threads run. So row i of a k-row call is bit-identical to the
 // same row computed in a 1-row call: a k-token verification forward equals k one-token decoding steps.
 //
-//  * linear: out[m, n] = dot(x[m], w[n]) (+ bias[n]). The dot product runs over K in chunks of 8 floats into
-//    one 8-lane accumulator (fused multiply-add per lane), a zero-padded last chunk, then a fixed horizontal
-//    sum of the 8 lanes. Rows and columns are tiled (up to 8 x 3) so each weight chunk is loaded once for
-//    several rows, but every (m, n) pair keeps its own accumulator: tiling changes speed, not results. The
-//    weights a few tiles ahead are prefetched into the cache (PREFETCH_TILES; a hint only, no arithmetic).
-//  * attention: per (batch, head, query) the scores of the visible keys (same dot product), their maximum,
+//  * linear: out[m, n] = fma chain over k = 0 .. K-1 of x[m, k] * w[n, k] (+ bias[n]): ONE sequential chain per
+//    output element, the weights packed once into panels of columns so that a register-blocked micro-kernel (up
+//    to 8 rows x 48 columns with AVX-512) runs many chains side by side. Tiling, the row count, the thread count
+//    and the ISA change which chains run together, never the operations of one (the packed GEMM below).
+//  * attention: per (batch, head, query) the scores of the visible keys (a dot product over D in chunks of 8 floats
+//    into one 8-lane accumulator, a zero-padded last chunk, then a fixed horizontal sum of the 8 lanes), their maximum,
 //    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
 //    the weighted sum of values accumulated key by key in ascending order. Keys a query may not see are
 //    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more.
@@ -87,32 +87,16 @@ inline vec8 vload_tail(const float* p, int64_t n) {
   return vload(buf);
 }
 
-#ifndef FAR_TILES
-#define FAR_TILES 2  // the L2 prefetch's distance beyond the L1 one, in column tiles (0: none)
-#endif
-
-// out[r][c] for R rows x C columns of one tile; every (r, c) keeps its own accumulator.
-// `ahead` (may be null): a weight region to prefetch while this tile computes (the tile PREFETCH_TILES further on),
-// so that streaming the weights from memory overlaps the arithmetic instead of following it. Prefetching only
-// moves data into the cache; it changes no arithmetic.
+// out[r][c] for R rows x C columns of one tile (attention's scores, RMSNorm's sum of squares); every (r, c) keeps
+// its own accumulator.
 template <int R, int C>
 inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, float* out, int64_t ldo,
-                     const float* bias, const float* ahead = nullptr) {
+                     const float* bias) {
   vec8 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   const int64_t full = K - K % 8;
   for (int64_t k = 0; k < full; k += 8) {
-#ifdef DSPARK_AVX2
-    if (ahead != nullptr && (k & 15) == 0) {  // one 64-byte line per C weight rows' 16 floats
-      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k), _MM_HINT_T0);
-      // also into L2 from FAR_TILES tiles further on (measured on an AVX-512 Xeon: 7-10% off a 4-8-row pass over
-      // SmolLM2-135M's weights, one row unchanged; on an AMD EPYC 15-22% off a 1- or 2-row pass, which until
-      // 2026-12-04 went without it; docs/cpu-packing.md)
-      for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + c * K + k + FAR_TILES * C * K), _MM_HINT_T1);
-    }
-#endif
     vec8 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = vload(ws[c] + k);
     for (int r = 0; r < R; ++r) {
@@ -136,110 +120,212 @@ inline void dot_tile(const float* const* xs, const float* const* ws, int64_t K, 
     }
 }
 
-// R rows starting at row m, against one column tile.
-template <int R, int C>
-inline void rows_block(const float* x, int64_t m, const float* const* ws, int64_t K, float* out, int64_t N,
-                       const float* bias, const float* ahead) {
-  const float* xs[R];
-  for (int r = 0; r < R; ++r) xs[r] = x + (m + r) * K;
-  dot_tile<R, C>(xs, ws, K, out + m * N, N, bias, ahead);
-}
-
-// All M rows against one column tile. A verification forward (2 to 8 rows) takes one pass over the tile's weights
-// when R x C accumulators, C weight vectors and one input vector fit the vector registers (16 with AVX2: up to 4
-// rows; 32 with AVX-512VL, still 8-lane vectors: up to 8 rows), so verifying a block costs about what one row
-// does. Longer inputs (a prefill) go in blocks of 4 rows, the rest in one tile.
-template <int C>
-inline void rows_tile(const float* x, int64_t M, const float* const* ws, int64_t K, float* out, int64_t N,
-                      const float* bias, const float* ahead) {
-#ifdef __AVX512VL__
-  constexpr int64_t single = 8;
-#else
-  constexpr int64_t single = 4;
-#endif
-  int64_t m = 0;
-  if (M > single) {
-    for (; m + 4 <= M; m += 4) rows_block<4, C>(x, m, ws, K, out, N, bias, m == 0 ? ahead : nullptr);
-  }
-  const float* a = m == 0 ? ahead : nullptr;
-  switch (M - m) {
-    case 0: break;
-    case 1: rows_block<1, C>(x, m, ws, K, out, N, bias, a); break;
-    case 2: rows_block<2, C>(x, m, ws, K, out, N, bias, a); break;
-    case 3: rows_block<3, C>(x, m, ws, K, out, N, bias, a); break;
-    case 4: rows_block<4, C>(x, m, ws, K, out, N, bias, a); break;
-    case 5: rows_block<5, C>(x, m, ws, K, out, N, bias, a); break;
-    case 6: rows_block<6, C>(x, m, ws, K, out, N, bias, a); break;
-    case 7: rows_block<7, C>(x, m, ws, K, out, N, bias, a); break;
-    default: rows_block<8, C>(x, m, ws, K, out, N, bias, a); break;
-  }
-}
-
 }  // namespace
 
 namespace {
 
-// One weight of a multi-linear call: out[m, n] = dot(x[m], w[n]) (+ bias[n]) (+ residual[m, n]).
+// ------------------------------------------------------------------------------------------- the packed GEMM
+// out[m, n] = chain(x[m], w[n]) (+ bias[n]) (+ residual[m, n]), where chain is ONE sequential fused multiply-add
+// over k in ascending order: acc = 0; for k = 0 .. K-1: acc = fma(x[m, k], w[n, k], acc). No split of K, no lane-wise
+// partial sums, no reassociation: the order of the floating-point operations of one output element is fixed by
+// its definition, so how the computation is vectorised, tiled or threaded cannot change a bit of it.
+//
+// The weights are packed once into K-major panels of NR columns (panel p holds w[p*NR + j, k] at [p][k][j], the
+// last panel zero-padded), so a micro-kernel of R rows (R <= MR) x NR columns holds R x NR accumulators in vector
+// registers and, for each k, loads NR weights (one contiguous run) and broadcasts x[r, k]: every accumulator lane
+// is one output element's chain, and the lane of a column does not depend on R. Edge rows run the same loop with
+// fewer rows, edge columns compute their zero-padded lanes and do not store them. Work is split between threads
+// by column panels only, so every element is computed by one thread in one pass: the thread count cannot change
+// results either. The same chain on the AVX2 and scalar builds (fma is exactly rounded), so even the ISA does not.
+//
+// The packed copies live in a cache keyed by the weight's storage (weakly referenced: a copy goes when its weight
+// is freed) and checked against the weight's version counter (an in-place update re-packs). Cost: one extra copy
+// of every float32 weight the exact mode runs (SmolLM2-135M: 0.54 GB); pack_release() frees them all.
+
+#if defined(__AVX512F__)
+using gvec = __m512;
+constexpr int GV = 16;  // lanes per vector
+constexpr int GNV = 3;  // vectors per panel row: NR = 48
+constexpr int GMR = 8;  // rows per micro-kernel: 24 accumulators, 3 weight vectors, 1 broadcast of 32 registers
+inline gvec gzero() { return _mm512_setzero_ps(); }
+inline gvec gload(const float* p) { return _mm512_loadu_ps(p); }
+inline gvec gset1(float a) { return _mm512_set1_ps(a); }
+inline gvec gfma(gvec a, gvec b, gvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void gstore(float* p, gvec a) { _mm512_storeu_ps(p, a); }
+#elif defined(DSPARK_AVX2)
+using gvec = __m256;
+constexpr int GV = 8;
+constexpr int GNV = 2;  // NR = 16
+constexpr int GMR = 6;  // 12 accumulators, 2 weight vectors, 1 broadcast of 16 registers
+inline gvec gzero() { return _mm256_setzero_ps(); }
+inline gvec gload(const float* p) { return _mm256_loadu_ps(p); }
+inline gvec gset1(float a) { return _mm256_set1_ps(a); }
+inline gvec gfma(gvec a, gvec b, gvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void gstore(float* p, gvec a) { _mm256_storeu_ps(p, a); }
+#else
+using gvec = vec8;
+constexpr int GV = 8;
+constexpr int GNV = 2;
+constexpr int GMR = 4;
+inline gvec gzero() { return vzero(); }
+inline gvec gload(const float* p) { return vload(p); }
+inline gvec gset1(float a) {
+  gvec r;
+  for (int i = 0; i < 8; ++i) r.v[i] = a;
+  return r;
+}
+inline gvec gfma(gvec a, gvec b, gvec c) { return vfma(a, b, c); }
+inline void gstore(float* p, gvec a) { vstore(p, a); }
+#endif
+constexpr int GNR = GV * GNV;  // columns per panel
+
+// R rows (x + r * ldx) against one packed panel [K][GNR]: every lane's chain over k = 0 .. K-1 into tmp[r][j].
+template <int R>
+inline void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* tmp) {
+  gvec acc[R][GNV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNV; ++j) acc[r][j] = gzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * GNR;
+    gvec w[GNV];
+    for (int j = 0; j < GNV; ++j) w[j] = gload(p + j * GV);
+    for (int r = 0; r < R; ++r) {
+      const gvec xv = gset1(x[r * ldx + k]);
+      for (int j = 0; j < GNV; ++j) acc[r][j] = gfma(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNV; ++j) gstore(tmp + r * GNR + j * GV, acc[r][j]);
+}
+
+// One weight's packed panels, and what it was packed from.
+struct PackEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t N, K, s0, s1, version;
+  torch::Tensor packed;  // [panels, K, GNR]
+};
+
+std::mutex pack_mutex;
+std::unordered_map<const void*, PackEntry> pack_cache;
+
+// w [N, K] (any strides; a 1-d weight is one row) as K-major panels of GNR columns, zero-padded.
+torch::Tensor pack_panels(const torch::Tensor& w, int64_t N, int64_t K, int64_t s0, int64_t s1) {
+  const int64_t panels = (N + GNR - 1) / GNR;
+  auto packed = torch::empty({panels, K, GNR}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* d = dst + p * K * GNR;
+      for (int64_t j = 0; j < GNR; ++j) {
+        const int64_t n = p * GNR + j;
+        if (n < N) {
+          const float* row = src + n * s0;
+          for (int64_t k = 0; k < K; ++k) d[k * GNR + j] = row[k * s1];
+        } else {
+          for (int64_t k = 0; k < K; ++k) d[k * GNR + j] = 0.f;
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// The packed panels of weight w [N, K] (or [K] for N = 1), from the cache or packed now.
+torch::Tensor packed_weight(const torch::Tensor& w, int64_t N, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == N * K, "exact linear: weight [N, K] float32");
+  const int64_t s0 = w.dim() == 2 ? w.stride(0) : K, s1 = w.dim() == 2 ? w.stride(1) : w.stride(0);
+  if (w.is_inference()) return pack_panels(w, N, K, s0, s1);  // no version counter: nothing to check a copy by
+  const int64_t version = w._version();
+  c10::StorageImpl* storage = w.storage().unsafeGetStorageImpl();
+  const void* key = w.data_ptr();
+  {
+    std::lock_guard<std::mutex> lock(pack_mutex);
+    auto it = pack_cache.find(key);
+    if (it != pack_cache.end()) {
+      const PackEntry& e = it->second;
+      auto alive = e.storage.lock();
+      if (alive.get() == storage && e.N == N && e.K == K && e.s0 == s0 && e.s1 == s1 && e.version == version)
+        return e.packed;
+    }
+  }
+  torch::Tensor packed = pack_panels(w, N, K, s0, s1);
+  std::lock_guard<std::mutex> lock(pack_mutex);
+  for (auto it = pack_cache.begin(); it != pack_cache.end();) {  // drop the copies of weights that are gone
+    if (it->second.storage.expired())
+      it = pack_cache.erase(it);
+    else
+      ++it;
+  }
+  pack_cache.erase(key);
+  pack_cache.emplace(key, PackEntry{w.storage().getWeakStorageImpl(), N, K, s0, s1, version, packed});
+  return packed;
+}
+
+// One weight of a multi-linear call: out[m, n] = chain(x[m], w[n]) (+ bias[n]) (+ residual[m, n]).
 struct LinearJob {
-  const float* w;
-  const float* bias;      // may be null
-  const float* residual;  // may be null: added after the dot product (and the bias), one IEEE add per element
+  torch::Tensor w;        // [N, K] (or [K] when N = 1), float32, any strides
+  const float* bias;      // may be null: added after the chain, one IEEE add per element
+  const float* residual;  // may be null: added after the bias, one IEEE add per element
   float* out;
   int64_t N;
 };
 
-// Every job against the same input x [M, K], in one parallel region over all jobs' column tiles, so that the
-// three projections of attention (or the two of the MLP) cost one fork/join instead of three. Each (m, n) is
-// still one full-K dot product with its own accumulator, computed exactly as a one-weight call computes it.
+// Every job against the same input x [M, K] (rows contiguous), in one parallel region over all jobs' column panels.
 void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<LinearJob>& jobs) {
-  constexpr int64_t CT = 3;  // columns per tile
-#ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2  // 4 until 2026-12-04: 2 was 3-5% faster at 1-8 rows on an AVX-512 Xeon (docs/cpu-packing.md)
+  std::vector<torch::Tensor> packs;
+  std::vector<int64_t> first(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    packs.push_back(packed_weight(jobs[j].w, jobs[j].N, K));
+    first[j + 1] = first[j] + (jobs[j].N + GNR - 1) / GNR;
+  }
+  // Rows go in blocks of about GEMM_BLOCK_BYTES of input, which stay in the core's L2 cache while the thread's
+  // panels pass over them (the order in which elements are computed, never how one is).
+#ifndef GEMM_BLOCK_BYTES
+#define GEMM_BLOCK_BYTES 524288
 #endif
-  std::vector<int64_t> first_tile(jobs.size() + 1, 0);
-  for (size_t j = 0; j < jobs.size(); ++j) first_tile[j + 1] = first_tile[j] + (jobs[j].N + CT - 1) / CT;
-  const int64_t tiles = first_tile.back();
-  // Rows go in blocks of about 128 KB of input, so that a block stays in the core's L2 cache while every column
-  // tile passes over it (without blocks, a prefill of many rows streamed its whole input from memory once per
-  // column tile). Each (row, column) is still one full-K dot product with its own accumulator: the blocking
-  // changes which products run when, never how one is computed. Decoding and verification (a few rows) fit one
-  // block.
-  const int64_t block_rows = std::max<int64_t>(4, (131072 / (K * 4)) / 4 * 4);
-  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-    const int64_t rows = std::min<int64_t>(block_rows, M - m0);
-    const float* xb = xp + m0 * K;
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t block_rows = std::max<int64_t>(GMR, (GEMM_BLOCK_BYTES / (K * 4)) / GMR * GMR);
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float tmp[GMR * GNR];
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t rows = std::min<int64_t>(block_rows, M - m0);
       size_t j = 0;
       for (int64_t t = begin; t < end; ++t) {
-        while (t >= first_tile[j + 1]) ++j;
+        while (t >= first[j + 1]) ++j;
         const LinearJob& job = jobs[j];
-        const int64_t N = job.N, n = (t - first_tile[j]) * CT;
-        const int64_t cols = std::min<int64_t>(CT, N - n);
-        const float* wp = job.w;
-        const float* b_n = job.bias ? job.bias + n : nullptr;
-        float* ob = job.out + m0 * N;
-        // the weights PREFETCH_TILES tiles on, within this thread's range and this weight
-        const float* ahead = (PREFETCH_TILES > 0 && t + PREFETCH_TILES < std::min<int64_t>(end, first_tile[j + 1]))
-                                 ? wp + (n + PREFETCH_TILES * CT) * K
-                                 : nullptr;
-        if (cols == 3) {
-          const float* ws[3] = {wp + n * K, wp + (n + 1) * K, wp + (n + 2) * K};
-          rows_tile<3>(xb, rows, ws, K, ob + n, N, b_n, ahead);
-        } else if (cols == 2) {
-          const float* ws[2] = {wp + n * K, wp + (n + 1) * K};
-          rows_tile<2>(xb, rows, ws, K, ob + n, N, b_n, ahead);
-        } else {
-          const float* ws[1] = {wp + n * K};
-          rows_tile<1>(xb, rows, ws, K, ob + n, N, b_n, ahead);
-        }
-        if (job.residual != nullptr) {
-          const float* rb = job.residual + m0 * N;
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < cols; ++c) ob[r * N + n + c] = rb[r * N + n + c] + ob[r * N + n + c];
+        const int64_t N = job.N, n0 = (t - first[j]) * GNR, cols = std::min<int64_t>(GNR, N - n0);
+        const float* panel = packs[j].data_ptr<float>() + (t - first[j]) * K * GNR;
+        for (int64_t r0 = 0; r0 < rows; r0 += GMR) {
+          const int64_t R = std::min<int64_t>(GMR, rows - r0), m = m0 + r0;
+          const float* x = xp + m * K;
+          switch (R) {
+#define DSPARK_GEMM_CASE(r) \
+  case r: gemm_tile<(r <= GMR ? r : 1)>(x, K, panel, K, tmp); break;
+            DSPARK_GEMM_CASE(1)
+            DSPARK_GEMM_CASE(2)
+            DSPARK_GEMM_CASE(3)
+            DSPARK_GEMM_CASE(4)
+            DSPARK_GEMM_CASE(5)
+            DSPARK_GEMM_CASE(6)
+            DSPARK_GEMM_CASE(7)
+            DSPARK_GEMM_CASE(8)
+#undef DSPARK_GEMM_CASE
+            default: TORCH_CHECK(false, "exact gemm: micro-kernel rows");
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            float* o = job.out + (m + r) * N + n0;
+            const float* res = job.residual ? job.residual + (m + r) * N + n0 : nullptr;
+            for (int64_t c = 0; c < cols; ++c) {
+              float s = tmp[r * GNR + c];
+              if (job.bias != nullptr) s = s + job.bias[n0 + c];
+              if (res != nullptr) s = res[c] + s;
+              o[c] = s;
+            }
+          }
         }
       }
-    });
-  }
+    }
+  });
 }
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& keep) {
@@ -255,13 +341,35 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact linear: float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "exact linear: x [M, K], w [N, K]");
   x = x.contiguous();
-  w = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto out = torch::empty({M, N}, x.options());
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
-  run_linears(x.data_ptr<float>(), M, K, {LinearJob{w.data_ptr<float>(), bp, nullptr, out.data_ptr<float>(), N}});
+  run_linears(x.data_ptr<float>(), M, K, {LinearJob{w, bp, nullptr, out.data_ptr<float>(), N}});
   return out;
+}
+
+// The bytes held by the packed copies of the weights whose storage is still alive (the others are dropped now).
+int64_t pack_bytes() {
+  std::lock_guard<std::mutex> lock(pack_mutex);
+  int64_t total = 0;
+  for (auto it = pack_cache.begin(); it != pack_cache.end();) {
+    if (it->second.storage.expired()) {
+      it = pack_cache.erase(it);
+    } else {
+      total += it->second.packed.numel() * static_cast<int64_t>(sizeof(float));
+      ++it;
+    }
+  }
+  return total;
+}
+
+// Frees every packed copy (the next call with a weight packs it again); returns the bytes freed.
+int64_t pack_release() {
+  const int64_t total = pack_bytes();
+  std::lock_guard<std::mutex> lock(pack_mutex);
+  pack_cache.clear();
+  return total;
 }
 
 // q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any strides with a contiguous last dim), mask: empty (causal: query
@@ -371,7 +479,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 // on the calling thread (their work is far below what an OpenMP region's start-up costs).
 
 // RMSNorm over the last dimension: out[m, n] = w[n] * (x[m, n] * (1 / sqrt(sum_n x[m, n]^2 / N + eps))). The sum of
-// squares is the same fixed-order dot product as the linear kernel's.
+// squares is attention's fixed-order 8-lane dot product.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact rms_norm: float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "exact rms_norm: x [M, N], w [N]");
@@ -461,9 +569,6 @@ std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double e
   TORCH_CHECK(wq.scalar_type() == at::kFloat && wk.scalar_type() == at::kFloat && wv.scalar_type() == at::kFloat,
               "exact attn_in: float32 weights");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == batch * length, "exact attn_in: x [B * L, W]");
-  wq = wq.contiguous();
-  wk = wk.contiguous();
-  wv = wv.contiguous();
   const int64_t M = x.size(0), K = x.size(1), D = cos.size(2);
   TORCH_CHECK(wq.size(1) == K && wk.size(1) == K && wv.size(1) == K, "exact attn_in: weight widths");
   TORCH_CHECK(wq.size(0) == hq * D && wk.size(0) == hkv * D && wv.size(0) == hkv * D, "exact attn_in: head shapes");
@@ -473,9 +578,9 @@ std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double e
   auto v = torch::empty({M, hkv * D}, x.options());
   torch::Tensor kb_q, kb_k, kb_v;
   run_linears(h.data_ptr<float>(), M, K,
-              {LinearJob{wq.data_ptr<float>(), bias_ptr(bq, hq * D, kb_q), nullptr, q.data_ptr<float>(), hq * D},
-               LinearJob{wk.data_ptr<float>(), bias_ptr(bk, hkv * D, kb_k), nullptr, k.data_ptr<float>(), hkv * D},
-               LinearJob{wv.data_ptr<float>(), bias_ptr(bv, hkv * D, kb_v), nullptr, v.data_ptr<float>(), hkv * D}});
+              {LinearJob{wq, bias_ptr(bq, hq * D, kb_q), nullptr, q.data_ptr<float>(), hq * D},
+               LinearJob{wk, bias_ptr(bk, hkv * D, kb_k), nullptr, k.data_ptr<float>(), hkv * D},
+               LinearJob{wv, bias_ptr(bv, hkv * D, kb_v), nullptr, v.data_ptr<float>(), hkv * D}});
   if (qn_w.has_value() && qn_w->defined()) {
     TORCH_CHECK(kn_w.has_value() && kn_w->defined(), "exact attn_in: q_norm without k_norm");
     q = rms_norm(q.reshape({-1, D}), *qn_w, q_eps);
@@ -497,10 +602,6 @@ torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch:
                   wd.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "exact attn_out: float32 only");
   x = x.contiguous();
-  wo = wo.contiguous();
-  wg = wg.contiguous();
-  wu = wu.contiguous();
-  wd = wd.contiguous();
   const int64_t M = x.size(0), W = x.size(1), I = wg.size(0);
   TORCH_CHECK(wo.size(0) == W && wd.size(0) == W && wu.size(0) == I && wd.size(1) == I && wg.size(1) == W &&
                   wu.size(1) == W,
@@ -510,17 +611,17 @@ torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch:
   auto x1 = torch::empty({M, W}, x.options());
   torch::Tensor keep_o, keep_g, keep_u, keep_d;
   run_linears(a.data_ptr<float>(), M, a.size(1),
-              {LinearJob{wo.data_ptr<float>(), bias_ptr(bo, W, keep_o), x.data_ptr<float>(), x1.data_ptr<float>(), W}});
+              {LinearJob{wo, bias_ptr(bo, W, keep_o), x.data_ptr<float>(), x1.data_ptr<float>(), W}});
   const torch::Tensor h = rms_norm(x1, ln_w, eps);
   auto g = torch::empty({M, I}, x.options());
   auto u = torch::empty({M, I}, x.options());
   run_linears(h.data_ptr<float>(), M, W,
-              {LinearJob{wg.data_ptr<float>(), bias_ptr(bg, I, keep_g), nullptr, g.data_ptr<float>(), I},
-               LinearJob{wu.data_ptr<float>(), bias_ptr(bu, I, keep_u), nullptr, u.data_ptr<float>(), I}});
+              {LinearJob{wg, bias_ptr(bg, I, keep_g), nullptr, g.data_ptr<float>(), I},
+               LinearJob{wu, bias_ptr(bu, I, keep_u), nullptr, u.data_ptr<float>(), I}});
   const torch::Tensor s = silu_mul(g, u);
   auto x2 = torch::empty({M, W}, x.options());
   run_linears(s.data_ptr<float>(), M, I,
-              {LinearJob{wd.data_ptr<float>(), bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}});
+              {LinearJob{wd, bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}});
   return x2;
 }
 

@@ -137,14 +137,13 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
   if (n == 0) return;
   TORCH_CHECK(feats.scalar_type() == at::kFloat && fc_w.scalar_type() == at::kFloat, "draft_ingest: float32 only");
   feats = feats.contiguous();
-  fc_w = fc_w.contiguous();
   TORCH_CHECK(feats.dim() == 2 && feats.size(1) == fc_w.size(1), "draft_ingest: feats [n, m * W], fc_w [W, m * W]");
   TORCH_CHECK(cos_t.size(0) >= length + n, "draft_ingest: rotary table too short");
   const int64_t W = fc_w.size(0), D = cos_t.size(1);
   auto projected = torch::empty({n, W}, feats.options());
   torch::Tensor keep;
   run_linears(feats.data_ptr<float>(), n, feats.size(1),
-              {LinearJob{fc_w.data_ptr<float>(), bias_ptr(fc_b, W, keep), nullptr, projected.data_ptr<float>(), W}});
+              {LinearJob{fc_w, bias_ptr(fc_b, W, keep), nullptr, projected.data_ptr<float>(), W}});
   const torch::Tensor ctx = rms_norm(projected, hn_w, hn_eps);
   const torch::Tensor cos = cos_t.narrow(0, length, n).unsqueeze(0), sin = sin_t.narrow(0, length, n).unsqueeze(0);
   for (int64_t i = 0; i < layers; ++i) {
@@ -154,8 +153,8 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
     auto v = torch::empty({n, L.hkv * D}, feats.options());
     torch::Tensor kb_k, kb_v;
     run_linears(ctx.data_ptr<float>(), n, W,
-                {LinearJob{L.wk.data_ptr<float>(), bias_ptr(L.bk, L.hkv * D, kb_k), nullptr, k.data_ptr<float>(), L.hkv * D},
-                 LinearJob{L.wv.data_ptr<float>(), bias_ptr(L.bv, L.hkv * D, kb_v), nullptr, v.data_ptr<float>(), L.hkv * D}});
+                {LinearJob{L.wk, bias_ptr(L.bk, L.hkv * D, kb_k), nullptr, k.data_ptr<float>(), L.hkv * D},
+                 LinearJob{L.wv, bias_ptr(L.bv, L.hkv * D, kb_v), nullptr, v.data_ptr<float>(), L.hkv * D}});
     if (L.kn_w.has_value() && L.kn_w->defined()) k = rms_norm(k.reshape({-1, D}), *L.kn_w, L.k_eps);
     k = rope(k.reshape({1, n, L.hkv * D}), cos, sin, L.hkv);  // [1, Hkv, n, D]
     kbufs[i].narrow(1, length, n).copy_(k[0]);
@@ -202,12 +201,11 @@ std::vector<torch::Tensor> draft_block_run(int64_t handle, torch::Tensor embed, 
   const torch::Tensor h = rms_norm(x.narrow(0, 0, P), norm_w, norm_eps);
   TORCH_CHECK(head_w.scalar_type() == at::kFloat && head_w.dim() == 2 && head_w.size(1) == W,
               "draft_block_run: LM head rows [K, W] float32");
-  head_w = head_w.contiguous();
   const int64_t K = head_w.size(0);
   auto logits = torch::empty({P, K}, embed.options());
   torch::Tensor keep;
   run_linears(h.data_ptr<float>(), P, W,
-              {LinearJob{head_w.data_ptr<float>(), bias_ptr(head_b, K, keep), nullptr, logits.data_ptr<float>(), K}});
+              {LinearJob{head_w, bias_ptr(head_b, K, keep), nullptr, logits.data_ptr<float>(), K}});
   return {h, logits};
 }
 
@@ -232,13 +230,11 @@ std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidde
                     w2s.dim() == 2 && w2s.size(0) == K && w2s.size(1) == w1.size(1),
                 "markov_greedy: w1 [V, r], w2s [K, r] float32");
     w1 = w1.contiguous();
-    w2s = w2s.contiguous();
     r = w1.size(1);
   }
   TORCH_CHECK(!subset || (ids.scalar_type() == at::kLong && ids.numel() == K), "markov_greedy: ids [K] int64");
   if (subset) ids = ids.contiguous();
   if (conf) {
-    conf_w = conf_w.contiguous();
     TORCH_CHECK(conf_w.scalar_type() == at::kFloat && conf_w.numel() == W + (conf_markov ? r : 0),
                 "markov_greedy: confidence weight [W (+ r)]");
     TORCH_CHECK(!conf_markov || markov, "markov_greedy: a Markov confidence feature needs the Markov head");
@@ -254,7 +250,7 @@ std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidde
     if (markov) {
       TORCH_CHECK(0 <= prev && prev < w1.size(0), "markov_greedy: token id out of range");
       e = w1.data_ptr<float>() + prev * r;
-      run_linears(e, 1, r, {LinearJob{w2s.data_ptr<float>(), nullptr, nullptr, bias.data(), K}});
+      run_linears(e, 1, r, {LinearJob{w2s, nullptr, nullptr, bias.data(), K}});
     }
     const float* u = base.data_ptr<float>() + k * K;
     int64_t best = 0;
@@ -273,7 +269,7 @@ std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidde
       if (conf_markov) std::memcpy(feature.data() + W, e, r * sizeof(float));
       const int64_t width = W + (conf_markov ? r : 0);
       float z;
-      run_linears(feature.data(), 1, width, {LinearJob{conf_w.data_ptr<float>(), cb, nullptr, &z, 1}});
+      run_linears(feature.data(), 1, width, {LinearJob{conf_w, cb, nullptr, &z, 1}});
       confidence.data_ptr<float>()[k] = z;
     }
     prev = token;
