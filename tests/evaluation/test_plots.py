@@ -126,3 +126,36 @@ def test_the_results_plot_script(tmp_path, capsys):
     _report(lookup=True).save(tmp_path / "lookup-only", plots=False)
     with pytest.raises(SystemExit, match="no draft that ran without prompt lookup.*--lookup off on"):
         results_plot.main([str(tmp_path / "lookup-only"), "--output", str(tmp_path / "none.png")])
+
+
+def test_the_readme_table_script(tmp_path, capsys):
+    """`scripts/readme_table.py FOLDER` prints one row per set and the macro row, with the speedups the report's
+    times give: the draft alone 1.25× and with lookup 2.0× the same kernels, 2.5× and 4.0× stock."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "readme_table.py"
+    spec = importlib.util.spec_from_file_location("readme_table", script)
+    readme_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_table)
+
+    def table(folder):
+        readme_table.main([str(folder)])
+        return [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line[:2] == "| "][1:]
+
+    _report().save(tmp_path / "eval", plots=False)
+    rows = table(tmp_path / "eval")
+    assert [row[0] for row in rows] == ["gsm8k", "own-code", "**macro, evaluation sets**"]
+    for row in rows:  # no greedy-identity record in this report: said, not assumed
+        assert row[3:9] == ["1.25×", "2.00×", "2.00×", "2.50×", "4.00×", "–"], row
+
+    import json
+
+    results = tmp_path / "eval" / "results.json"
+    report = json.loads(results.read_text())
+    record = {"gsm8k": {ALONE: 1.0, LOOKUP: 1.0}, "own-code": {ALONE: 1.0, LOOKUP: 0.875}}
+    report["quality"] = {
+        "greedy_identity": {s: {m: {"exact_match": v} for m, v in r.items()} for s, r in record.items()}
+    }
+    results.write_text(json.dumps(report))
+    assert [row[-1] for row in table(tmp_path / "eval")] == ["yes", "NO", "NO"]
