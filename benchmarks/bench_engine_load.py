@@ -43,7 +43,7 @@ from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.decoding.target_forward import KVStore, ragged_target_forward
 from dspark_hf.default_model import load_default_target, load_draft
 from dspark_hf.evaluation.harness import synchronize
-from dspark_hf.kernels.packed import packed_linears
+from dspark_hf.kernels import default_kernels, use_kernels
 from dspark_hf.scheduling.policies import HardwareAwarePolicy, LaggedHardwareAwarePolicy, UniformHardwareAwarePolicy
 from dspark_hf.scheduling.sps import get_sps_profile
 
@@ -88,7 +88,7 @@ def run_load(target, draft, tok, prompts, mode, profile, args) -> dict:
         policy=make_policy(mode, profile),
         max_batch_size=len(prompts),
         layout=args.layout,
-        kernels="packed" if args.cpu_packing else "stock",  # DSparkEngine(cpu_packing=) was the older spelling
+        kernels=args.kernels,
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
@@ -210,10 +210,11 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
     parser.add_argument("--dtype", default=None, help="target and draft dtype: float32 (default), bfloat16, float16")
     parser.add_argument(
-        "--cpu-packing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="packed CPU linears in every mode, `none` included (default: off)",
+        "--kernels",
+        choices=["stock", "packed", "exact"],
+        default=None,
+        help="the target's CPU kernels in every mode, `none` included (default: the library's for the target, as "
+        "`dspark serve` runs it: exact for a float32 CPU Llama/Qwen target)",
     )
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
@@ -223,7 +224,8 @@ def main() -> None:
 
     target, tok = load_default_target(dtype=args.dtype, device=args.device)
     draft, _ = load_draft(target, args.draft)
-    with packed_linears(target, enabled=args.cpu_packing):  # the cost curve the engine's forwards will have
+    args.kernels = args.kernels or default_kernels(target)
+    with use_kernels(target, mode=args.kernels):  # the cost curve the engine's forwards will have
         profile = get_sps_profile(target)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     report = {
@@ -238,7 +240,7 @@ def main() -> None:
         "draft": args.draft or "smollm2-135m-dspark (shipped default)",
         "block_size": draft.config.block_size,
         "layout": args.layout,
-        "cpu_packing": args.cpu_packing,
+        "kernels": args.kernels,
         "max_new_tokens": args.max_new_tokens,
         "sps_seconds": profile.seconds,
         "modes": args.modes,
