@@ -83,6 +83,18 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def interleaved_medians(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each call, after one warm-up call each (the exact kernel packs its weights there), the
+    calls interleaved repeat by repeat so that every kernel sees the same machine load."""
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            samples[name].append(timed(call))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def measure(kernels: dict, rows: int, n: int, k: int, repeats: int) -> dict[str, float]:
     """Median seconds of each kernel on `rows` rows against an [n, k] weight, calls interleaved."""
     gen = torch.Generator().manual_seed(rows * 7 + n)
@@ -95,13 +107,7 @@ def measure(kernels: dict, rows: int, n: int, k: int, repeats: int) -> dict[str,
             calls[name] = lambda fn=fn: fn(xb, wb, bb)
         else:
             calls[name] = lambda fn=fn: fn(x, w, b)
-    for call in calls.values():  # warm-up: the exact kernel packs its weight here, once
-        call()
-    samples = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            samples[name].append(timed(call))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return interleaved_medians(calls, repeats)
 
 
 def measure_forward(kernels: dict, rows: int, repeats: int) -> dict[str, float]:
@@ -120,13 +126,7 @@ def measure_forward(kernels: dict, rows: int, repeats: int) -> dict[str, float]:
     for name, fn in kernels.items():
         ws, xs = bf16 if name == "stock bf16" else (weights, inputs)
         calls[name] = lambda fn=fn, ws=ws, xs=xs: forward(fn, ws, xs)
-    for call in calls.values():
-        call()
-    samples = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            samples[name].append(timed(call))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return interleaved_medians(calls, repeats)
 
 
 def main() -> None:
