@@ -29,16 +29,16 @@ def _method(methods, suffix: str) -> str:
 def report_rows(folder: Path, temperature: str) -> tuple[list[str], dict]:
     """Table rows for one report folder, and its config."""
     report = json.loads((folder / "results.json").read_text())
-    ALONE, LOOKUP = _method(report["methods"], "@lookup-off"), _method(report["methods"], "@lookup-on")  # noqa: N806
+    alone_name, lookup_name = _method(report["methods"], "@lookup-off"), _method(report["methods"], "@lookup-on")
     rows = []
     summaries = [(name, sets[temperature]) for name, sets in report["summary"].items()]
     label = "macro, " + ("evaluation sets" if len(summaries) > 1 and "gsm8k" in report["summary"] else folder.name)
     summaries.append((f"**{label}**", report["macro_average"][temperature]))
     identity = report.get("quality", {}).get("greedy_identity", {})
     for name, summary in summaries:
-        alone, lookup = summary[ALONE], summary[LOOKUP]
+        alone, lookup = summary[alone_name], summary[lookup_name]
         sets = list(identity) if "**" in name else [name]
-        same = [identity.get(s, {}).get(m, {}).get("exact_match") for s in sets for m in (ALONE, LOOKUP)]
+        same = [identity.get(s, {}).get(m, {}).get("exact_match") for s in sets for m in (alone_name, lookup_name)]
         verdict = "–" if not same or None in same else "yes" if all(x == 1.0 for x in same) else "NO"
         rows.append(
             f"| {name} | {alone['tau']:.2f} | {lookup['tau']:.2f} | {alone['speedup_vs_exact']:.2f}× "
