@@ -5,8 +5,8 @@ then one forward over `R` rows × `L` new tokens on that cache is timed (the sha
 without drafts, `1 + drafts` when verifying), and the new tokens are cropped off again. Kernel modes and shapes
 are interleaved in every repeat; a figure is the median over repeats of the median of `--steps` forwards.
 (That the exact mode's rows are identical to one-row decoding is checked by tests/decoding/test_engine_exact.py.)
-`--prefill` times one prompt's prefill of 64 … 1024 tokens instead, with the exact mode's prefill limit
-(`EXACT_MAX_ROWS`) lifted so that the exact side runs the exact kernels at every length.
+`--prefill` times one prompt's prefill of 64 … 2048 tokens in one forward instead (the exact mode runs its kernels at
+every length).
 
     python benchmarks/bench_batched_forward.py --repeats 3 --threads 2 --out benchmarks/results/batched_forward.json
 """
@@ -24,11 +24,10 @@ from transformers import DynamicCache
 
 from dspark_hf.default_model import chat_inputs, load_default_target
 from dspark_hf import kernels
-from dspark_hf.kernels import lean, lean_model, ops
 
 PROMPT = "Why is the sky blue? Explain in detail with physics."
 SHAPES = ((1, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (1, 4), (4, 4), (8, 4), (16, 4))
-PREFILLS = (64, 128, 256, 512, 1024)
+PREFILLS = (64, 128, 256, 512, 1024, 2048)
 MODES = ("stock", "exact")
 
 
@@ -53,18 +52,11 @@ def round_ms(target, ids, rows: int, new: int, mode: str, steps: int) -> float:
 def prefill_ms(target, length: int, mode: str, steps: int) -> float:
     ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(length))
     times = []
-    limit = ops.EXACT_MAX_ROWS
-    for module in (ops, lean, lean_model):  # lifted: the exact side is exact at any T
-        module.EXACT_MAX_ROWS = 1 << 20
-    try:
-        with kernels.use_kernels(target, mode=mode):
-            for _ in range(steps):
-                start = time.perf_counter()
-                target(input_ids=ids, cache=DynamicCache(config=target.config), use_cache=True, logits_to_keep=1)
-                times.append(time.perf_counter() - start)
-    finally:
-        for module in (ops, lean, lean_model):
-            module.EXACT_MAX_ROWS = limit
+    with kernels.use_kernels(target, mode=mode):
+        for _ in range(steps):
+            start = time.perf_counter()
+            target(input_ids=ids, cache=DynamicCache(config=target.config), use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
@@ -73,7 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed forwards per cell and repeat")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefill", action="store_true", help="time prefills of 64 … 1024 tokens instead")
+    parser.add_argument("--prefill", action="store_true", help="time prefills of 64 … 2048 tokens instead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -74,12 +74,11 @@ def make_target(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        **{**extra, **config_overrides},
+        **{"max_position_embeddings": 512, **extra, **config_overrides},
     )
     model = model_cls(config).eval()
     with torch.no_grad():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspark_hf import DSparkEngine, SamplingParams
-from dspark_hf.kernels import EXACT_MAX_ROWS, is_lean, kernels_of
+from dspark_hf.kernels import is_lean, kernels_of
 
 from helpers import make_aligned_draft, make_target
 
@@ -32,7 +32,7 @@ def _target(arch: str):
 
 def _workload(n: int = 7, seed: int = 5):
     gen = torch.Generator().manual_seed(seed)
-    lengths = [3, 40, 9, 150, 17, 5, 28][:n]  # 150: a prefill over 64 tokens, still on the exact kernels
+    lengths = [3, 40, 9, 150, 17, 5, 28][:n]  # 150: a prefill over 64 tokens
     news = [14, 9, 20, 6, 17, 11, 13][:n]
     return [(torch.randint(0, VOCAB, (length,), generator=gen).tolist(), m) for length, m in zip(lengths, news)]
 
@@ -64,7 +64,6 @@ def _engine_logits(engine, work):
 def _mismatches(target, draft, policy: str, kernels: str) -> tuple[int, int]:
     """(engine rows that differ from plain exact decoding's logits, rows compared); tokens must agree."""
     work = _workload()
-    assert max(len(p) for p, _ in work) <= EXACT_MAX_ROWS  # the prefill, too, is on the exact kernels
     engine = DSparkEngine(target, draft, policy=policy, max_batch_size=8, kernels=kernels)
     results = _engine_logits(engine, work)
     assert kernels_of(target) == "stock"  # the engine gave the models back when it went idle

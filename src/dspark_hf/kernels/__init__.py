@@ -22,12 +22,11 @@ from .build import build_exact_kernels, exact_kernels_backend, exact_kernels_bui
 from .lean import is_lean, lean_arguments
 from .lean_model import is_lean_model
 from .modes import KERNEL_MODES, check_kernels, default_kernels, exact_family, kernels_of, use_kernels
-from .ops import EXACT_ATTENTION, EXACT_MAX_ROWS, exact_attention_forward, exact_linear, is_exact, is_exact_norm
+from .ops import EXACT_ATTENTION, exact_attention_forward, exact_linear, is_exact, is_exact_norm
 from .packed import is_packed, pack_linear_weights, packing_available, unpack_linear_weights
 
 __all__ = [
     "EXACT_ATTENTION",
-    "EXACT_MAX_ROWS",
     "KERNEL_MODES",
     "build_exact_kernels",
     "check_kernels",

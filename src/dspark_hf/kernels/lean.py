@@ -25,7 +25,6 @@ from ..model.layers import DSparkDecoderLayer
 from .build import backend
 from .ops import (
     EXACT_ATTENTION,
-    EXACT_MAX_ROWS,
     NO_MASK,
     bool_mask,
     check_attention_options,
@@ -82,14 +81,13 @@ def lean_layer_forward(
 ) -> torch.Tensor:
     """A Llama-family decoder layer's forward in the exact mode: its two compiled calls around the cache update.
 
-    Forwards it does not cover (a prefill of sequences longer than `EXACT_MAX_ROWS` tokens, gradients, other
-    dtypes) run the layer's own forward.
+    Forwards it does not cover (gradients, other dtypes or devices) run the layer's own forward; a prefill of any
+    length is covered.
     """
     attn = self.self_attn
     compiled = backend()
     if (
         compiled is None
-        or hidden_states.shape[1] > EXACT_MAX_ROWS
         or hidden_states.dtype != torch.float32
         or hidden_states.device.type != "cpu"
         or position_embeddings is None

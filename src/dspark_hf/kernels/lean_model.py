@@ -24,7 +24,7 @@ import dspark_hf._transformers as tf
 
 from .build import backend
 from .lean import is_lean, lean_arguments, lean_layer_forward, lean_layer_run
-from .ops import EXACT_ATTENTION, EXACT_MAX_ROWS, NO_MASK, bool_mask, replaced_forward
+from .ops import EXACT_ATTENTION, NO_MASK, bool_mask, replaced_forward
 
 _LEAN_MODEL_PARAMETERS = ("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
 _LEAN_STACK = "_dspark_lean_stack"  # on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)])
@@ -55,8 +55,8 @@ def lean_model_eligible(model: nn.Module) -> bool:
 
 def _covered(model: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs: dict) -> bool:
     """Whether [`lean_model_forward`] covers this call: not when hidden states or attentions are asked for (here or
-    in the config), `return_dict=False`, other keyword arguments, `inputs_embeds`, sequences longer than
-    `EXACT_MAX_ROWS`, gradients, other dtypes or devices, or while transformers captures outputs."""
+    in the config), `return_dict=False`, other keyword arguments, `inputs_embeds`, gradients, other dtypes or
+    devices, or while transformers captures outputs. A prefill of any length is covered."""
     config = model.config
     return not (
         kwargs.keys() - {"output_hidden_states", "output_attentions", "return_dict"}
@@ -66,7 +66,6 @@ def _covered(model: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs:
         or input_ids is None
         or inputs_embeds is not None
         or input_ids.dim() != 2
-        or input_ids.shape[1] > EXACT_MAX_ROWS
         or input_ids.device.type != "cpu"
         or backend() is None
         or torch.is_grad_enabled()

@@ -5,6 +5,11 @@ CPU tensors run on the compiled kernels ([`build.backend`]); anything else runs 
 computes each row with its own one-row call (row-invariant by construction, slower). This module also holds the
 instance-bound forwards that put an `nn.Linear`, a DSpark draft's functional linears and its RMSNorms on these
 operations (swapped in and out by `dspark_hf.kernels.exact`).
+
+They cover every number of rows: a prefill of any length is computed row by row exactly as decoding computes it
+(the linear's fma chain over k, the attention's reduction over the keys a query may see, in ascending order), so a
+prompt's keys, values and logits are the same whether it is prefilled in one forward (`generate()`), in chunks of
+any sizes (the engine's chunked prefill) or token by token (`tests/kernels/test_exact_prefill.py`).
 """
 
 from __future__ import annotations
@@ -19,16 +24,6 @@ from .build import backend
 
 #: The attention implementation name registered with transformers' `AttentionInterface` for the exact mode.
 EXACT_ATTENTION = "dspark_exact"
-
-#: Forwards whose sequences are longer than this many tokens (the prefill of a long prompt) run on the stock
-#: kernels in the exact mode; everything else runs on the exact kernels: every decoding and verification
-#: forward, and the prefill of any prompt up to this length, so that the whole computation of such a prompt
-#: (its KV cache included) is the same whether it runs alone in plain `generate()` or batched in the engine.
-#: The limit is per sequence, not per forward (32 sequences verifying 4 tokens each are 128 rows, all exact).
-#: What exactness costs a prefill of SmolLM2-135M on a 2-core CPU (benchmarks/bench_batched_forward.py
-#: --prefill): 64 tokens 0.8x stock's time, 128 1.1x, 256 and 512 1.3x, 1024 1.75x, 2048 2.3x (the exact
-#: attention visits one query at a time); 512 keeps the guarantee for ordinary prompts at a bounded cost.
-EXACT_MAX_ROWS = 512
 
 #: The attention kernel's "causal over the cache" (no mask).
 NO_MASK = torch.empty(0, dtype=torch.bool)
@@ -91,18 +86,13 @@ def linear_eligible(module: nn.Module) -> bool:
     )
 
 
-def _sequence_length(x: torch.Tensor) -> int:
-    """Tokens per sequence of a linear layer's input: `[..., L, K]` (a 2-D `[M, K]` input counts as one sequence)."""
-    return x.shape[-2] if x.dim() >= 2 else 1
-
-
 def exact_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """An `nn.Linear`'s forward in the exact mode (a long prefill, gradients and other dtypes keep the stock one)."""
+    """An `nn.Linear`'s forward in the exact mode, at every number of rows (gradients and other dtypes keep the
+    stock one)."""
     if (
         x.device.type != "cpu"
         or x.dtype != self.weight.dtype
         or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-        or _sequence_length(x) > EXACT_MAX_ROWS
     ):
         return nn.Linear.forward(self, x)
     return exact_linear(x, self.weight, self.bias)
@@ -193,8 +183,6 @@ def exact_attention_forward(
     check_attention_options(module, dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = bool_mask(attention_mask)
-    if query.shape[2] > EXACT_MAX_ROWS:  # a prefill: the same call in plain and speculative decoding
-        return tf.sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     compiled = backend()
     if compiled is not None and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu":
         return compiled.attention(query, key, value, NO_MASK if mask is None else mask, float(scale)), None

@@ -1,0 +1,96 @@
+"""A long prefill on the exact kernels: one shot, in chunks of any sizes, or token by token, bit for bit the same.
+
+Every exact kernel computes an output row by one fixed sequence of operations over that row's own inputs (the
+linears' fma chain over k, the attention's reduction over the keys the query may see, in ascending order), at any
+number of rows. So the prefill of a prompt longer than any chunk the engine runs is the same computation however
+it is cut: one forward over all its tokens (what `generate()` runs), consecutive chunks each attending to the
+cached keys and causally to itself (what the engine's chunked prefill runs, with any chunk sizes), or one token at
+a time (plain decoding). Logits and every layer's keys and values must be `torch.equal` across the three, for a
+prompt longer than 512 tokens (the length up to which the exact mode used to run, the stock kernels beyond). The
+stock kernels must fail the same check, which shows it has the power to tell.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from dspark_hf.kernels import build, is_lean_model, use_kernels
+
+from helpers import make_target
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(build.backend() is None, reason="the exact kernels could not be compiled here"),
+]
+
+LENGTH = 700  # longer than 512
+CHUNKINGS = ([LENGTH], [512, 188], [1, 99, 300, 300], [64] * 10 + [60])
+
+
+def _target(arch: str = "llama"):
+    # fp32 (the exact kernels' dtype), wide enough that the stock kernels' multi-row paths round differently
+    return make_target(
+        arch, vocab_size=256, hidden_size=128, num_layers=2, dtype=torch.float32, max_position_embeddings=1024
+    )
+
+
+def _prompt(length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(3))
+
+
+@torch.no_grad()
+def _chunked(target, ids: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of every position and the cache's keys and values, prefilling `ids` in chunks of `sizes`."""
+    assert sum(sizes) == ids.shape[1]
+    cache = DynamicCache(config=target.config)
+    logits, at = [], 0
+    for n in sizes:
+        logits.append(target(input_ids=ids[:, at : at + n], cache=cache, use_cache=True).logits)
+        at += n
+    kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return torch.cat(logits, dim=1), kv
+
+
+def _differences(target, mode: str, chunkings=CHUNKINGS, one_by_one: bool = True) -> list[str]:
+    ids = _prompt()
+    with use_kernels(target, mode=mode):
+        if mode == "exact":
+            assert is_lean_model(target.model)
+        runs = {tuple(sizes): _chunked(target, ids, sizes) for sizes in chunkings}
+        if one_by_one:
+            runs[(1,) * LENGTH] = _chunked(target, ids, [1] * LENGTH)
+    (whole_logits, whole_kv), *_ = runs.values()
+    bad = []
+    for sizes, (logits, kv) in runs.items():
+        name = f"chunks {list(sizes[:4])}{'...' if len(sizes) > 4 else ''}"
+        if not torch.equal(logits, whole_logits):
+            bad.append(f"{name}: logits")
+        bad += [f"{name}: kv {i}" for i, (a, b) in enumerate(zip(kv, whole_kv)) if not torch.equal(a, b)]
+    return bad
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_exact_prefill_is_the_same_in_one_shot_in_chunks_and_token_by_token(arch):
+    target = _target(arch)
+    assert _differences(target, "exact") == []
+
+
+def test_exact_prefill_of_a_long_prompt_runs_the_exact_kernels():
+    # the whole prompt through the lean model's compiled stack, not a fallback to the stock kernels: the one-shot
+    # exact prefill differs from the stock one (the stock kernels round differently)
+    target = _target()
+    ids = _prompt()
+    with torch.no_grad():
+        stock = target(ids).logits
+        with use_kernels(target, mode="exact"):
+            exact = target(ids).logits
+    assert not torch.equal(stock, exact)
+    torch.testing.assert_close(stock, exact, rtol=1e-4, atol=1e-4)
+
+
+def test_stock_prefill_fails_the_same_check():
+    # negative control: the stock kernels' chunked prefill rounds differently from the one-shot one
+    target = _target()
+    assert _differences(target, "stock", chunkings=CHUNKINGS[:3], one_by_one=False)
