@@ -22,6 +22,9 @@ from .._paths import cache_dir
 #: The functions `exact_kernels.cpp` exports to Python.
 FUNCTIONS = (
     "linear",
+    "linear_bf16",
+    "linear_bf16_portable",
+    "bf16_native",
     "pack_bytes",
     "pack_release",
     "attention",
@@ -30,6 +33,8 @@ FUNCTIONS = (
     "silu_mul",
     "attn_in",
     "attn_out",
+    "attn_in_bf16",
+    "attn_out_bf16",
     "stack_add_layer",
     "stack_free",
     "stack_run",
@@ -61,7 +66,19 @@ def build_flags() -> list[str]:
         # the same 8-lane arithmetic, with AVX-512VL's 32 vector registers: a verification forward of up to 8 rows
         # then reads each weight tile once (exact_kernels.cpp, rows_tile)
         flags += ["-mavx512f", "-mavx512vl"]
+        if _cpu_has_avx512_bf16():
+            # vdpbf16ps for the bf16 GEMM (linear_bf16); without it the same chains run on a portable kernel
+            flags += ["-mavx512bf16"]
     return flags
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX-512 BF16 (Linux: /proc/cpuinfo's flags; elsewhere: assumed not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _build():

@@ -9,6 +9,8 @@
 //    output element, the weights packed once into panels of columns so that a register-blocked micro-kernel (up
 //    to 8 rows x 48 columns with AVX-512) runs many chains side by side. Tiling, the row count, the thread count
 //    and the ISA change which chains run together, never the operations of one (the packed GEMM below).
+//    linear_bf16 (and attn_in_bf16 / attn_out_bf16): the same with x and w rounded to bfloat16, one chain of
+//    vdpbf16ps steps over the k pairs per element (the bf16 GEMM below), bit-identical on its portable kernel.
 //  * attention: per (batch, head, query) the scores of the visible keys (a dot product over D in chunks of 8 floats
 //    into one 8-lane accumulator, a zero-padded last chunk, then a fixed horizontal sum of the 8 lanes), their maximum,
 //    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
@@ -23,10 +25,12 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -209,15 +213,136 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K
     for (int j = 0; j < GNV; ++j) gstore(tmp + r * GNR + j * GV, acc[r][j]);
 }
 
+// ------------------------------------------------------------------------------------------- the bf16 GEMM
+// The same packed GEMM with bfloat16 operands (linear_bf16, attn_in_bf16, attn_out_bf16): the weight rounded to
+// bf16 once (round to nearest even; a bf16 denormal is replaced by a zero of its sign, which is what vdpbf16ps does
+// with it anyway: DAZ), each row of x rounded to bf16 once per call, and every output element ONE chain over the
+// k pairs (2p, 2p + 1), p = 0 .. ceil(K / 2) - 1, in ascending order, two steps per pair, in vdpbf16ps' order:
+//     acc = ftz(fma(x[2p + 1], w[2p + 1], acc));  acc = ftz(fma(x[2p], w[2p], acc))
+// (products of two bf16 are exact in float32; ftz: a denormal result becomes a zero of its sign; an odd K's last
+// pair holds a zero). AVX-512 BF16 runs a pair of all 48 columns of a panel per row in three vdpbf16ps; without it,
+// a portable kernel runs the same steps lane by lane (bit-identical: tests/kernels/test_exact_gemm_bf16.py). The
+// weight's panels hold [K / 2][GNR][2] bf16 (pair-interleaved per column): half the bytes of the float32 panels.
+
+// float32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN; a denormal result becomes a signed zero.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  uint16_t h = static_cast<uint16_t>(u >> 16);
+  if ((h & 0x7f80u) == 0) h &= 0x8000u;
+  return h;
+}
+
+inline float bf16_value(uint32_t h) {
+  const uint32_t u = h << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// vdpbf16ps' output rule: a denormal result becomes a zero of its sign.
+inline float flush_denormal(float a) { return std::fabs(a) < std::numeric_limits<float>::min() ? 0.f * a : a; }
+
+#ifndef GEMM_PREFETCH_BF16
+#define GEMM_PREFETCH_BF16 3072  // bf16 ahead in the panel stream: the float32 kernel's 6 KB (32 pairs of 48 columns)
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define DSPARK_BF16_NATIVE 1
+// R rows of bf16 pairs (x + r * ldx: one uint32 per k pair, the even k in the low half) against one packed bf16
+// panel [K2][GNR][2]: every lane's chain over the pairs into tmp[r][j].
+template <int R>
+inline void gemm_tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
+  __m512 acc[R][GNV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNV; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    const uint16_t* q = panel + p * (2 * GNR);
+    for (int j = 0; j < 2 * GNR; j += 32)
+      _mm_prefetch(reinterpret_cast<const char*>(q + GEMM_PREFETCH_BF16 + j), _MM_HINT_T1);
+    __m512bh w[GNV];
+    for (int j = 0; j < GNV; ++j) w[j] = (__m512bh)_mm512_loadu_si512(q + j * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
+      for (int j = 0; j < GNV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNV; ++j) _mm512_storeu_ps(tmp + r * GNR + j * GV, acc[r][j]);
+}
+#endif
+
+// The same chains without AVX-512 BF16, lane by lane: the reference the native kernel is tested against, and what
+// runs on CPUs without it.
+template <int R>
+inline void gemm_tile_bf16_portable(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
+  alignas(64) float acc[R][GNR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNR; ++j) acc[r][j] = 0.f;
+  for (int64_t p = 0; p < K2; ++p) {
+    const uint16_t* q = panel + p * (2 * GNR);
+    alignas(64) float w0[GNR], w1[GNR];
+    for (int j = 0; j < GNR; ++j) {
+      w0[j] = bf16_value(q[2 * j]);
+      w1[j] = bf16_value(q[2 * j + 1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint32_t pair = x[r * ldx + p];
+      const float x0 = bf16_value(pair & 0xffffu), x1 = bf16_value(pair >> 16);
+      for (int j = 0; j < GNR; ++j) {
+        const float a = flush_denormal(std::fmaf(x1, w1[j], acc[r][j]));
+        acc[r][j] = flush_denormal(std::fmaf(x0, w0[j], a));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < GNR; ++j) tmp[r * GNR + j] = acc[r][j];
+}
+
+// Whether this build runs the bf16 chains on AVX-512 BF16 (vdpbf16ps); otherwise on the portable kernel.
+bool bf16_native_build() {
+#ifdef DSPARK_BF16_NATIVE
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Which arithmetic run_linears runs: float32 chains, bf16 chains (native where the build has AVX-512 BF16), or the
+// bf16 chains on the portable kernel whatever the build (for tests).
+enum class Precision { fp32, bf16, bf16_portable };
+
+// Calls f(std::integral_constant<int, R>) for a tile of R = 1 .. GMR rows.
+template <class F>
+inline void with_rows(int64_t R, F&& f) {
+  switch (R) {
+#define DSPARK_ROWS_CASE(r) \
+  case r: f(std::integral_constant<int, (r <= GMR ? r : 1)>{}); break;
+    DSPARK_ROWS_CASE(1)
+    DSPARK_ROWS_CASE(2)
+    DSPARK_ROWS_CASE(3)
+    DSPARK_ROWS_CASE(4)
+    DSPARK_ROWS_CASE(5)
+    DSPARK_ROWS_CASE(6)
+    DSPARK_ROWS_CASE(7)
+    DSPARK_ROWS_CASE(8)
+#undef DSPARK_ROWS_CASE
+    default: TORCH_CHECK(false, "exact gemm: micro-kernel rows");
+  }
+}
+
 // One weight's packed panels, and what it was packed from.
 struct PackEntry {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t N, K, s0, s1, version;
-  torch::Tensor packed;  // [panels, K, GNR]
+  torch::Tensor packed;  // float32 [panels, K, GNR], or bf16 [panels, ceil(K / 2), GNR, 2]
 };
 
 std::mutex pack_mutex;
-std::unordered_map<const void*, PackEntry> pack_cache;
+std::unordered_map<const void*, PackEntry> pack_cache;       // float32 panels
+std::unordered_map<const void*, PackEntry> pack_cache_bf16;  // bf16 panels of the same weights
 
 // w [N, K] (any strides; a 1-d weight is one row) as K-major panels of GNR columns, zero-padded.
 torch::Tensor pack_panels(const torch::Tensor& w, int64_t N, int64_t K, int64_t s0, int64_t s1) {
@@ -242,34 +367,57 @@ torch::Tensor pack_panels(const torch::Tensor& w, int64_t N, int64_t K, int64_t 
   return packed;
 }
 
+// w [N, K] rounded to bf16 as panels [ceil(K / 2)][GNR][2]: panel p holds w[p * GNR + j, 2 * q + e] at [p][q][j][e],
+// zero-padded past N and past K.
+torch::Tensor pack_panels_bf16(const torch::Tensor& w, int64_t N, int64_t K, int64_t s0, int64_t s1) {
+  const int64_t panels = (N + GNR - 1) / GNR, K2 = (K + 1) / 2;
+  auto packed = torch::empty({panels, K2, GNR, 2}, w.options().dtype(at::kBFloat16));
+  const float* src = w.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* d = dst + p * K2 * GNR * 2;
+      for (int64_t j = 0; j < GNR; ++j) {
+        const int64_t n = p * GNR + j;
+        const float* row = n < N ? src + n * s0 : nullptr;
+        for (int64_t k = 0; k < 2 * K2; ++k)
+          d[((k / 2) * GNR + j) * 2 + k % 2] = (row != nullptr && k < K) ? bf16_bits(row[k * s1]) : 0;
+      }
+    }
+  });
+  return packed;
+}
+
 // The packed panels of weight w [N, K] (or [K] for N = 1), from the cache or packed now.
-torch::Tensor packed_weight(const torch::Tensor& w, int64_t N, int64_t K) {
+torch::Tensor packed_weight(const torch::Tensor& w, int64_t N, int64_t K, bool bf16 = false) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == N * K, "exact linear: weight [N, K] float32");
   const int64_t s0 = w.dim() == 2 ? w.stride(0) : K, s1 = w.dim() == 2 ? w.stride(1) : w.stride(0);
-  if (w.is_inference()) return pack_panels(w, N, K, s0, s1);  // no version counter: nothing to check a copy by
+  auto pack = [&]() { return bf16 ? pack_panels_bf16(w, N, K, s0, s1) : pack_panels(w, N, K, s0, s1); };
+  if (w.is_inference()) return pack();  // no version counter: nothing to check a copy by
+  auto& cache = bf16 ? pack_cache_bf16 : pack_cache;
   const int64_t version = w._version();
   c10::StorageImpl* storage = w.storage().unsafeGetStorageImpl();
   const void* key = w.data_ptr();
   {
     std::lock_guard<std::mutex> lock(pack_mutex);
-    auto it = pack_cache.find(key);
-    if (it != pack_cache.end()) {
+    auto it = cache.find(key);
+    if (it != cache.end()) {
       const PackEntry& e = it->second;
       auto alive = e.storage.lock();
       if (alive.get() == storage && e.N == N && e.K == K && e.s0 == s0 && e.s1 == s1 && e.version == version)
         return e.packed;
     }
   }
-  torch::Tensor packed = pack_panels(w, N, K, s0, s1);
+  torch::Tensor packed = pack();
   std::lock_guard<std::mutex> lock(pack_mutex);
-  for (auto it = pack_cache.begin(); it != pack_cache.end();) {  // drop the copies of weights that are gone
+  for (auto it = cache.begin(); it != cache.end();) {  // drop the copies of weights that are gone
     if (it->second.storage.expired())
-      it = pack_cache.erase(it);
+      it = cache.erase(it);
     else
       ++it;
   }
-  pack_cache.erase(key);
-  pack_cache.emplace(key, PackEntry{w.storage().getWeakStorageImpl(), N, K, s0, s1, version, packed});
+  cache.erase(key);
+  cache.emplace(key, PackEntry{w.storage().getWeakStorageImpl(), N, K, s0, s1, version, packed});
   return packed;
 }
 
@@ -282,20 +430,11 @@ struct LinearJob {
   int64_t N;
 };
 
-// Every job against the same input x [M, K] (rows contiguous), in one parallel region over all jobs' column panels.
-void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<LinearJob>& jobs) {
-  std::vector<torch::Tensor> packs;
-  std::vector<int64_t> first(jobs.size() + 1, 0);
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    packs.push_back(packed_weight(jobs[j].w, jobs[j].N, K));
-    first[j + 1] = first[j] + (jobs[j].N + GNR - 1) / GNR;
-  }
-  // Rows go in blocks of about GEMM_BLOCK_BYTES of input, which stay in the core's L2 cache while the thread's
-  // panels pass over them (the order in which elements are computed, never how one is).
-#ifndef GEMM_BLOCK_BYTES
-#define GEMM_BLOCK_BYTES 524288
-#endif
-  const int64_t block_rows = std::max<int64_t>(GMR, (GEMM_BLOCK_BYTES / (K * 4)) / GMR * GMR);
+// Every job's column panels in one parallel region: tile(job, panel, m, R, tmp) computes the chains of rows
+// m .. m + R - 1 against the job's panel into tmp [R][GNR]; then the bias and the residual.
+template <class Tile>
+void run_panels(int64_t M, int64_t block_rows, const std::vector<LinearJob>& jobs, const std::vector<int64_t>& first,
+                const Tile& tile) {
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float tmp[GMR * GNR];
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
@@ -305,24 +444,9 @@ void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<Linear
         while (t >= first[j + 1]) ++j;
         const LinearJob& job = jobs[j];
         const int64_t N = job.N, n0 = (t - first[j]) * GNR, cols = std::min<int64_t>(GNR, N - n0);
-        const float* panel = packs[j].data_ptr<float>() + (t - first[j]) * K * GNR;
         for (int64_t r0 = 0; r0 < rows; r0 += GMR) {
           const int64_t R = std::min<int64_t>(GMR, rows - r0), m = m0 + r0;
-          const float* x = xp + m * K;
-          switch (R) {
-#define DSPARK_GEMM_CASE(r) \
-  case r: gemm_tile<(r <= GMR ? r : 1)>(x, K, panel, K, tmp); break;
-            DSPARK_GEMM_CASE(1)
-            DSPARK_GEMM_CASE(2)
-            DSPARK_GEMM_CASE(3)
-            DSPARK_GEMM_CASE(4)
-            DSPARK_GEMM_CASE(5)
-            DSPARK_GEMM_CASE(6)
-            DSPARK_GEMM_CASE(7)
-            DSPARK_GEMM_CASE(8)
-#undef DSPARK_GEMM_CASE
-            default: TORCH_CHECK(false, "exact gemm: micro-kernel rows");
-          }
+          tile(j, t - first[j], m, R, tmp);
           for (int64_t r = 0; r < R; ++r) {
             float* o = job.out + (m + r) * N + n0;
             const float* res = job.residual ? job.residual + (m + r) * N + n0 : nullptr;
@@ -339,6 +463,56 @@ void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<Linear
   });
 }
 
+// Every job against the same input x [M, K] (rows contiguous), in one parallel region over all jobs' column panels.
+void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<LinearJob>& jobs,
+                 Precision precision = Precision::fp32) {
+  const bool bf16 = precision != Precision::fp32;
+  std::vector<torch::Tensor> packs;
+  std::vector<int64_t> first(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    packs.push_back(packed_weight(jobs[j].w, jobs[j].N, K, bf16));
+    first[j + 1] = first[j] + (jobs[j].N + GNR - 1) / GNR;
+  }
+  // Rows go in blocks of about GEMM_BLOCK_BYTES of input, which stay in the core's L2 cache while the thread's
+  // panels pass over them (the order in which elements are computed, never how one is).
+#ifndef GEMM_BLOCK_BYTES
+#define GEMM_BLOCK_BYTES 524288
+#endif
+  if (!bf16) {
+    const int64_t block_rows = std::max<int64_t>(GMR, (GEMM_BLOCK_BYTES / (K * 4)) / GMR * GMR);
+    run_panels(M, block_rows, jobs, first, [&](size_t j, int64_t p, int64_t m, int64_t R, float* tmp) {
+      const float* panel = packs[j].data_ptr<float>() + p * K * GNR;
+      with_rows(R, [&](auto r) { gemm_tile<decltype(r)::value>(xp + m * K, K, panel, K, tmp); });
+    });
+    return;
+  }
+  // each row of x rounded to bf16 once, as k pairs (the even k in the low half; an odd K's last pair padded with 0)
+  const int64_t K2 = (K + 1) / 2;
+  std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t q = 0; q < K2; ++q) {
+        const uint32_t lo = bf16_bits(xp[m * K + 2 * q]);
+        const uint32_t hi = 2 * q + 1 < K ? bf16_bits(xp[m * K + 2 * q + 1]) : 0u;
+        xb[m * K2 + q] = lo | (hi << 16);
+      }
+  });
+  const int64_t block_rows = std::max<int64_t>(GMR, (GEMM_BLOCK_BYTES / (K2 * 4)) / GMR * GMR);
+  const bool native = precision == Precision::bf16 && bf16_native_build();
+  run_panels(M, block_rows, jobs, first, [&](size_t j, int64_t p, int64_t m, int64_t R, float* tmp) {
+    const uint16_t* panel = reinterpret_cast<const uint16_t*>(packs[j].data_ptr<at::BFloat16>()) + p * K2 * GNR * 2;
+    const uint32_t* x = xb.data() + m * K2;
+#ifdef DSPARK_BF16_NATIVE
+    if (native) {
+      with_rows(R, [&](auto r) { gemm_tile_bf16<decltype(r)::value>(x, K2, panel, K2, tmp); });
+      return;
+    }
+#endif
+    (void)native;
+    with_rows(R, [&](auto r) { gemm_tile_bf16_portable<decltype(r)::value>(x, K2, panel, K2, tmp); });
+  });
+}
+
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& keep) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   keep = bias->contiguous();
@@ -348,7 +522,9 @@ const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N, torch
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+namespace {
+
+torch::Tensor linear_impl(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, Precision precision) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "exact linear: float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "exact linear: x [M, K], w [N, K]");
   x = x.contiguous();
@@ -356,22 +532,42 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   auto out = torch::empty({M, N}, x.options());
   torch::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
-  run_linears(x.data_ptr<float>(), M, K, {LinearJob{w, bp, nullptr, out.data_ptr<float>(), N}});
+  run_linears(x.data_ptr<float>(), M, K, {LinearJob{w, bp, nullptr, out.data_ptr<float>(), N}}, precision);
   return out;
 }
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  return linear_impl(x, w, bias, Precision::fp32);
+}
+
+// The bf16 GEMM: x and w (float32) rounded to bf16, float32 chains over the k pairs, float32 out (see above).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  return linear_impl(x, w, bias, Precision::bf16);
+}
+
+// linear_bf16 on the portable kernel whatever the build: the reference the native kernel must equal bit for bit.
+torch::Tensor linear_bf16_portable(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  return linear_impl(x, w, bias, Precision::bf16_portable);
+}
+
+// Whether linear_bf16 runs on AVX-512 BF16 (vdpbf16ps) in this build; false: on the portable kernel.
+bool bf16_native() { return bf16_native_build(); }
 
 // The bytes held by the packed copies of the weights whose storage is still alive (the others are dropped now).
 int64_t pack_bytes() {
   std::lock_guard<std::mutex> lock(pack_mutex);
   int64_t total = 0;
-  for (auto it = pack_cache.begin(); it != pack_cache.end();) {
-    if (it->second.storage.expired()) {
-      it = pack_cache.erase(it);
-    } else {
-      total += it->second.packed.numel() * static_cast<int64_t>(sizeof(float));
-      ++it;
+  for (auto* cache : {&pack_cache, &pack_cache_bf16})
+    for (auto it = cache->begin(); it != cache->end();) {
+      if (it->second.storage.expired()) {
+        it = cache->erase(it);
+      } else {
+        total += static_cast<int64_t>(it->second.packed.nbytes());
+        ++it;
+      }
     }
-  }
   return total;
 }
 
@@ -380,6 +576,7 @@ int64_t pack_release() {
   const int64_t total = pack_bytes();
   std::lock_guard<std::mutex> lock(pack_mutex);
   pack_cache.clear();
+  pack_cache_bf16.clear();
   return total;
 }
 
@@ -571,12 +768,15 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 
 // Pre-attention half: RMSNorm, the q/k/v projections, Qwen3's per-head q/k RMSNorm when its weights are given,
 // rotary embedding. x [M = B * L, W]; returns q [B, Hq, L, D], k [B, Hkv, L, D] and v [B, Hkv, L, D] (a view).
-std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
-                                   c10::optional<torch::Tensor> bq, torch::Tensor wk, c10::optional<torch::Tensor> bk,
-                                   torch::Tensor wv, c10::optional<torch::Tensor> bv,
-                                   c10::optional<torch::Tensor> qn_w, c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps,
-                                   torch::Tensor cos, torch::Tensor sin, int64_t batch, int64_t length, int64_t hq,
-                                   int64_t hkv) {
+namespace {
+
+std::vector<torch::Tensor> attn_in_impl(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
+                                        c10::optional<torch::Tensor> bq, torch::Tensor wk,
+                                        c10::optional<torch::Tensor> bk, torch::Tensor wv,
+                                        c10::optional<torch::Tensor> bv, c10::optional<torch::Tensor> qn_w,
+                                        c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps, torch::Tensor cos,
+                                        torch::Tensor sin, int64_t batch, int64_t length, int64_t hq, int64_t hkv,
+                                        Precision precision) {
   TORCH_CHECK(wq.scalar_type() == at::kFloat && wk.scalar_type() == at::kFloat && wv.scalar_type() == at::kFloat,
               "exact attn_in: float32 weights");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == batch * length, "exact attn_in: x [B * L, W]");
@@ -591,7 +791,8 @@ std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double e
   run_linears(h.data_ptr<float>(), M, K,
               {LinearJob{wq, bias_ptr(bq, hq * D, kb_q), nullptr, q.data_ptr<float>(), hq * D},
                LinearJob{wk, bias_ptr(bk, hkv * D, kb_k), nullptr, k.data_ptr<float>(), hkv * D},
-               LinearJob{wv, bias_ptr(bv, hkv * D, kb_v), nullptr, v.data_ptr<float>(), hkv * D}});
+               LinearJob{wv, bias_ptr(bv, hkv * D, kb_v), nullptr, v.data_ptr<float>(), hkv * D}},
+              precision);
   if (qn_w.has_value() && qn_w->defined()) {
     TORCH_CHECK(kn_w.has_value() && kn_w->defined(), "exact attn_in: q_norm without k_norm");
     q = rms_norm(q.reshape({-1, D}), *qn_w, q_eps);
@@ -602,13 +803,39 @@ std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double e
   return {q, k, v.view({batch, length, hkv, D}).transpose(1, 2)};
 }
 
+}  // namespace
+
+std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
+                                   c10::optional<torch::Tensor> bq, torch::Tensor wk, c10::optional<torch::Tensor> bk,
+                                   torch::Tensor wv, c10::optional<torch::Tensor> bv,
+                                   c10::optional<torch::Tensor> qn_w, c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps,
+                                   torch::Tensor cos, torch::Tensor sin, int64_t batch, int64_t length, int64_t hq,
+                                   int64_t hkv) {
+  return attn_in_impl(x, ln_w, eps, wq, bq, wk, bk, wv, bv, qn_w, kn_w, q_eps, k_eps, cos, sin, batch, length, hq, hkv,
+                      Precision::fp32);
+}
+
+// attn_in with the q/k/v projections on the bf16 GEMM (the norms and the rotation stay float32).
+std::vector<torch::Tensor> attn_in_bf16(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
+                                        c10::optional<torch::Tensor> bq, torch::Tensor wk,
+                                        c10::optional<torch::Tensor> bk, torch::Tensor wv,
+                                        c10::optional<torch::Tensor> bv, c10::optional<torch::Tensor> qn_w,
+                                        c10::optional<torch::Tensor> kn_w, double q_eps, double k_eps, torch::Tensor cos,
+                                        torch::Tensor sin, int64_t batch, int64_t length, int64_t hq, int64_t hkv) {
+  return attn_in_impl(x, ln_w, eps, wq, bq, wk, bk, wv, bv, qn_w, kn_w, q_eps, k_eps, cos, sin, batch, length, hq, hkv,
+                      Precision::bf16);
+}
+
 // Post-attention half: attention of q over the (updated) cache k, v, the output projection plus the residual,
 // RMSNorm, the gate and up projections, SiLU gate, the down projection plus the residual. x [M, W] is the
 // layer's input (the residual stream); returns the layer's output [M, W].
-torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
-                       double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w, double eps,
-                       torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
-                       c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd) {
+namespace {
+
+torch::Tensor attn_out_impl(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                            double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w,
+                            double eps, torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                            c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd,
+                            Precision precision) {
   TORCH_CHECK(wo.scalar_type() == at::kFloat && wg.scalar_type() == at::kFloat && wu.scalar_type() == at::kFloat &&
                   wd.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "exact attn_out: float32 only");
@@ -622,17 +849,35 @@ torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch:
   auto x1 = torch::empty({M, W}, x.options());
   torch::Tensor keep_o, keep_g, keep_u, keep_d;
   run_linears(a.data_ptr<float>(), M, a.size(1),
-              {LinearJob{wo, bias_ptr(bo, W, keep_o), x.data_ptr<float>(), x1.data_ptr<float>(), W}});
+              {LinearJob{wo, bias_ptr(bo, W, keep_o), x.data_ptr<float>(), x1.data_ptr<float>(), W}}, precision);
   const torch::Tensor h = rms_norm(x1, ln_w, eps);
   auto g = torch::empty({M, I}, x.options());
   auto u = torch::empty({M, I}, x.options());
   run_linears(h.data_ptr<float>(), M, W,
               {LinearJob{wg, bias_ptr(bg, I, keep_g), nullptr, g.data_ptr<float>(), I},
-               LinearJob{wu, bias_ptr(bu, I, keep_u), nullptr, u.data_ptr<float>(), I}});
+               LinearJob{wu, bias_ptr(bu, I, keep_u), nullptr, u.data_ptr<float>(), I}}, precision);
   const torch::Tensor s = silu_mul(g, u);
   auto x2 = torch::empty({M, W}, x.options());
   run_linears(s.data_ptr<float>(), M, I,
-              {LinearJob{wd, bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}});
+              {LinearJob{wd, bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}}, precision);
   return x2;
+}
+
+}  // namespace
+
+torch::Tensor attn_out(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                       double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w, double eps,
+                       torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                       c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd) {
+  return attn_out_impl(x, q, k, v, mask, scale, wo, bo, ln_w, eps, wg, bg, wu, bu, wd, bd, Precision::fp32);
+}
+
+// attn_out with the output, gate/up and down projections on the bf16 GEMM (attention, the norm, the SiLU gate and
+// the residual adds stay float32).
+torch::Tensor attn_out_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                            double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w,
+                            double eps, torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                            c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd) {
+  return attn_out_impl(x, q, k, v, mask, scale, wo, bo, ln_w, eps, wg, bg, wu, bu, wd, bd, Precision::bf16);
 }
 

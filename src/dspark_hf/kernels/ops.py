@@ -40,21 +40,29 @@ def _off_the_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- linears
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def exact_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16: bool = False
+) -> torch.Tensor:
     """`x @ weight.T + bias` with every row of `x` computed exactly as it would be alone (batch-invariant).
 
     Float32 CPU tensors run on the compiled kernel; anything else (and every input when the kernel is not
     available) runs one `torch.nn.functional.linear` call per row, which is row-invariant by construction.
+    With `bf16`, `x` and `weight` are rounded to bfloat16 (the compiled `linear_bf16`: float32 sums of bf16
+    products, float32 out; the per-row fallback computes `F.linear` on the rounded values in float32).
     """
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     compiled = backend()
     if compiled is not None and rows.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
-        out = compiled.linear(rows, weight.detach(), None if bias is None else bias.detach())
-    elif rows.shape[0] == 1:
-        out = F.linear(rows, weight, bias)
+        kernel = compiled.linear_bf16 if bf16 else compiled.linear
+        out = kernel(rows, weight.detach(), None if bias is None else bias.detach())
     else:
-        out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
+        if bf16:
+            rows, weight = rows.bfloat16().float(), weight.bfloat16().float()
+        if rows.shape[0] == 1:
+            out = F.linear(rows, weight, bias)
+        else:
+            out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
     return out.reshape(*lead, weight.shape[0])
 
 
