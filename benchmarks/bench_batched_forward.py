@@ -22,8 +22,8 @@ import torch
 from _report import write_report
 from transformers import DynamicCache
 
-from dspark_hf.default_model import chat_inputs, load_default_target
 from dspark_hf import kernels
+from dspark_hf.default_model import chat_inputs, load_default_target
 
 PROMPT = "Why is the sky blue? Explain in detail with physics."
 SHAPES = ((1, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (1, 4), (4, 4), (8, 4), (16, 4))

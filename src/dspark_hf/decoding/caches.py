@@ -179,6 +179,29 @@ class SlotKV:
                 buf.index_copy_(0, d, buf.index_select(0, s))
         return moved
 
+    def arrange(self, order: list[int]) -> list[tuple[object, int]]:
+        """Reorder the live rows: slot `i` gets the row now in slot `order[i]` (`order` a permutation of the live
+        slots, after [`compact`]). Only rows that change slot and hold tokens are copied (one gather and one
+        scatter per buffer).
+
+        Returns:
+            `list[tuple[object, int]]`: every owner that moved, with its new slot.
+        """
+        if sorted(order) != list(range(len(self.owners))):
+            raise ValueError(f"arrange() needs a permutation of the {len(self.owners)} live slots, got {order}.")
+        pairs = [(src, dst) for dst, src in enumerate(order) if src != dst]
+        data = [(src, dst) for src, dst in pairs if self.lengths[src] > 0]
+        if data and self._keys and max(max(p) for p in data) >= self.allocated_rows:
+            self.reserve(self.capacity)  # a row added since the buffers last grew: every live row gets one
+        self.owners = [self.owners[src] for src in order]
+        self.lengths = [self.lengths[src] for src in order]
+        if data and self._keys:
+            s = torch.tensor([a for a, _ in data], device=self._keys[0].device)
+            d = torch.tensor([b for _, b in data], device=self._keys[0].device)
+            for buf in self._keys + self._values:
+                buf.index_copy_(0, d, buf.index_select(0, s))
+        return [(self.owners[dst], dst) for _, dst in pairs]
+
     def reserve(self, needed: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Make room for `needed` tokens in every live slot, growing slots and capacity geometrically (live
         rows are kept). The first call allocates, shaping the buffers after `like` (one `(keys, values)` per

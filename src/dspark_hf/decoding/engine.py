@@ -3,8 +3,11 @@
 A round ([`DSparkEngine.step`]) does, for all active requests at once:
 
 1. **admit** queued requests while fewer than `max_batch_size` are active and their KV reservations
-   (prompt + `max_new_tokens`) fit in `max_tokens`; a newly admitted request gets its **prefill** (one
-   batched target forward over the new prompts, no drafts) and its first token;
+   (prompt + `max_new_tokens`) fit in `max_tokens`; an admitted request is **prefilled** in chunks: each round
+   gives the prefilling requests, oldest first, at most `max_prefill_tokens` prompt tokens in all (one batched
+   target forward over their next chunks, no drafts, after the decoding requests' round), so a long prompt
+   is ingested over several rounds while the others keep decoding; a request emits its first token when its
+   last chunk is in, and decodes from the next round on;
 2. **propose**: the [`Speculator`] (`dspark_hf.decoding.speculator`, the same round `generate()` runs with one
    row) proposes for every decoding request at once: the requests' prompt-lookup copies where they pay, else
    one batched draft (backbone, then the sequential head with each request's own processors and generator),
@@ -20,9 +23,11 @@ Every active request owns one slot of two preallocated stores (`dspark_hf.decodi
 and draft): the padded verification forward reads the batch's past as views and writes new keys/values in
 place at each row's own positions, with masks and positions built on the device from the rows' lengths.
 
-Exactness does not depend on batching: every request sees exactly its own context (masks and position
-ids), so greedy output equals plain `generate()` on that prompt alone and sampling follows the target's
-distribution (`tests/decoding/test_engine.py`, `tests/decoding/test_engine_sampling.py`, `tests/decoding/test_engine_lookup.py`).
+Exactness does not depend on batching or on chunking: every request sees exactly its own context (masks and
+position ids), and a chunk attends to its request's cached keys and, causally, to itself, so greedy output
+equals plain `generate()` on that prompt alone and sampling follows the target's distribution
+(`tests/decoding/test_engine.py`, `tests/decoding/test_engine_sampling.py`, `tests/decoding/test_engine_lookup.py`,
+`tests/decoding/test_chunked_prefill.py`).
 
 Example:
 
@@ -100,6 +105,11 @@ class DSparkEngine:
         max_batch_size (`int`, *optional*, defaults to 8): most requests decoded at once.
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.
+        max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per round, over
+            all prefilling requests (oldest first; a longer prompt is prefilled in chunks over several rounds).
+            It bounds how long one round's prefill holds up the decoding requests (their inter-token latency
+            under load) at the price of more rounds until a long prompt's first token; any value gives the
+            same output.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
             `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
             `dspark_hf.decoding.target_forward` and `docs/engine.md` for which is faster where).
@@ -109,11 +119,11 @@ class DSparkEngine:
             without speculation (see `dspark_hf.kernels`): `"stock"`, `"packed"` or `"exact"`. In
             `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
-            same kernels (`dspark_kernels="exact"`) for prompts of up to `EXACT_MAX_ROWS` (512) tokens (a
-            longer prompt's prefill runs the stock kernels, in the engine and in `generate()` alike, at
-            different shapes); the rounds run the padded layout. Defaults to the draft's own default, then the
-            library's (`dspark_hf.kernels.default_kernels`). The models are switched while the engine has work and
-            switched back when it is idle.
+            same kernels (`dspark_kernels="exact"`), at every prompt length: the exact kernels compute a
+            prefill's rows as decoding does, so the engine's chunks and `generate()`'s one-shot prefill give
+            the same keys, values and logits; the rounds run the padded layout. Defaults to the draft's own
+            default, then the library's (`dspark_hf.kernels.default_kernels`). The models are switched while the
+            engine has work and switched back when it is idle.
         cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
             it eagerly); unset, the draft's default, else on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
@@ -146,9 +156,13 @@ class DSparkEngine:
         kernels: str | None = None,
         lookup=None,
         compiled: bool | None = None,
+        max_prefill_tokens: int = 512,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}.")
+        self.max_prefill_tokens = max_prefill_tokens
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
         self.target, self.tokenizer, self.layout = target, tokenizer, layout
@@ -174,10 +188,9 @@ class DSparkEngine:
         self.policy, self.lookup, kernels = self.options.policy, self.options.lookup, self.options.kernels
         if kernels == "exact" and layout == "packed":
             raise ValueError(
-                "layout='packed' puts every row in one sequence, which the exact kernels treat as one long "
-                "sequence (a prefill, on stock kernels) once it passes EXACT_MAX_ROWS tokens; use layout='padded' "
-                "or 'auto' (the exact mode runs padded), or name other kernels (kernels='stock'): the exact ones are "
-                "the library's default for a float32 CPU target."
+                "layout='packed' puts every row in one sequence, whose attention spans every row's past; the "
+                "exact mode runs the padded layout: use layout='padded' or 'auto', or name other kernels "
+                "(kernels='stock'): the exact ones are the library's default for a float32 CPU target."
             )
         self.kernels = kernels
         self.cpu_packing = kernels == "packed"
@@ -279,7 +292,8 @@ class DSparkEngine:
 
     @torch.no_grad()
     def step(self) -> list[StreamEvent]:
-        """Run one round (admissions and prefills, then one drafting + verification round) and return its events."""
+        """Run one round (admissions, one drafting + verification round of the decoding requests, then the
+        prefilling requests' next chunks, at most `max_prefill_tokens` tokens) and return its events."""
         start = time.perf_counter()
         events, self._buffered = self._buffered, []
         for out in self._failed:
@@ -288,16 +302,17 @@ class DSparkEngine:
             events.append(StreamEvent(out.request_id, [], finished=True, output=out))
         self._failed = []
         self._compact()
-        decoding = list(self._active)  # slots 0..R-1, in order
-        admitted = self._admit()
-        if (decoding or admitted) and self._kernel_scope is None and self.kernels != "stock":
+        decoding = [r for r in self._active if self._decodes(r)]  # slots 0..R-1, in order (see `_compact`)
+        self._admit()
+        prefilling = [r for r in self._active if not self._decodes(r)]
+        if (decoding or prefilling) and self._kernel_scope is None and self.kernels != "stock":
             # switching a model's kernels walks its modules (milliseconds): done once per busy period, not per round
             self._kernel_scope = contextlib.ExitStack()
             self._kernel_scope.enter_context(use_kernels(self.target, self.draft, mode=self.kernels))
         if decoding:
             self._decode_round(decoding, events)
-        if admitted:
-            self._prefill(admitted, events)
+        if prefilling:
+            self._prefill(prefilling, events)
         self._compact()  # finished requests' slots (and, when idle, the buffers) are given back now
         if not self._active and not self._queue:
             self.release_kernels()
@@ -409,25 +424,47 @@ class DSparkEngine:
         return True
 
     # ------------------------------------------------------------------ rounds
+    @staticmethod
+    def _decodes(req: Request) -> bool:
+        """Whether `req`'s prompt is all in its KV slot (it takes part in decoding rounds)."""
+        return req.prefilled == len(req.prompt)
+
     def _prefill(self, reqs: list[Request], events: list[StreamEvent]) -> None:
+        """One chunk of prefill: the prefilling requests' next prompt tokens, oldest request first, at most
+        `max_prefill_tokens` in all, in ONE target forward over their cached chunks so far (each chunk attends to
+        its request's committed keys and causally to itself, as the one-shot prefill of the prompt would). A
+        request whose last chunk this is gets its first token."""
         start = time.perf_counter()
+        budget, rows, chunks = self.max_prefill_tokens, [], []
+        for req in sorted(reqs, key=lambda r: r.rid):  # admission order
+            n = min(len(req.prompt) - req.prefilled, budget)
+            if n <= 0:
+                break
+            rows.append(req)
+            chunks.append(req.prompt[req.prefilled : req.prefilled + n])
+            budget -= n
         out = ragged_target_forward(
-            self.target, [r.kv for r in reqs], [r.prompt for r in reqs], [[len(r.prompt) - 1] for r in reqs],
-            self.layer_ids, self.layout, self._linear_cost,
+            self.target, [r.kv for r in rows], chunks, [[len(c) - 1] for c in chunks], self.layer_ids, self.layout,
+            self._linear_cost,
         )  # fmt: skip
         self.metrics.layout_counts[out.layout] += 1
-        commit_rows(self._kv, [r.kv.slot for r in reqs], out.new_kv, [len(r.prompt) for r in reqs])
+        commit_rows(self._kv, [r.kv.slot for r in rows], out.new_kv, [len(c) for c in chunks])
         firsts = []
-        for i, req in enumerate(reqs):
-            logits = req.sampler.process(req.prompt, out.logits[i])
-            firsts.append(req.sampler.pick(logits[0]))
-            if self.speculate:  # ingested by the draft when it next drafts (a round that does not, never pays)
+        for i, (req, chunk) in enumerate(zip(rows, chunks)):
+            req.prefilled += len(chunk)
+            if self.speculate:  # in order, chunk by chunk; ingested by the draft when it next drafts
                 req.draft.pending.append(out.features[i])
-        for req, token in zip(reqs, firsts):
+            if self._decodes(req):  # its last chunk: the prompt's last logits give the first token
+                logits = req.sampler.process(req.prompt, out.logits[i])
+                firsts.append((req, req.sampler.pick(logits[0])))
+        for req, token in firsts:
             req.times["first_token"] = time.perf_counter()
             self._emit(req, [token], events)
-        self.metrics.prefill_forwards += 1
-        self.metrics.prefill_seconds += time.perf_counter() - start
+        m = self.metrics
+        m.prefill_forwards += 1
+        m.prefill_chunks += len(chunks)
+        m.prefill_tokens += sum(map(len, chunks))
+        m.prefill_seconds += time.perf_counter() - start
 
     def _decode_round(self, reqs: list[Request], events: list[StreamEvent]) -> None:
         """One round: the speculator proposes (copies, a drafted block, or nothing), ONE target forward verifies
@@ -540,13 +577,26 @@ class DSparkEngine:
             req.draft.pending = []
 
     def _compact(self) -> None:
-        """Close the holes finished requests left in the slot stores (moves only the rows that fill them) and
-        keep `_active` in slot order."""
-        for store, attr in ((self._kv, "kv"), (self._dkv, "dkv")):
-            if store is None:
-                continue
+        """Close the holes finished requests left in the slot stores (moves only the rows that fill them), put the
+        decoding requests first (slots `0..R-1`: the rows of the round's target and draft forwards; each
+        prefilling request found among them swaps places with a decoding one behind them) and keep `_active` in
+        slot order."""
+        stores = [(store, attr) for store, attr in ((self._kv, "kv"), (self._dkv, "dkv")) if store is not None]
+        for store, attr in stores:
             for req, slot in store.compact():
                 getattr(req, attr).slot = slot
+        owners = self._kv.owners
+        decodes = [self._decodes(r) for r in owners]
+        first = sum(decodes)
+        early = [i for i in range(first) if not decodes[i]]  # prefilling rows in the decoding rows' slots
+        if early:
+            late = [i for i in range(first, len(owners)) if decodes[i]]
+            order = list(range(len(owners)))
+            for a, b in zip(early, late):
+                order[a], order[b] = b, a
+            for store, attr in stores:
+                for req, slot in store.arrange(order):
+                    getattr(req, attr).slot = slot
         self._active = list(self._kv.owners)
         limit = max((self._row_tokens(r) for r in self._active), default=0)
         for store in (self._kv, self._dkv):

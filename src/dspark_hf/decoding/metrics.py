@@ -28,6 +28,8 @@ class EngineMetrics:
     requests_failed: int = 0
     rounds: int = 0  # verification forwards (decode rounds)
     prefill_forwards: int = 0
+    prefill_chunks: int = 0  # requests' prompt chunks prefilled (a prompt over max_prefill_tokens takes several)
+    prefill_tokens: int = 0  # prompt tokens prefilled
     request_rounds: int = 0  # Σ over rounds of the requests in them
     tokens_generated: int = 0
     drafts_verified: int = 0
@@ -139,6 +141,8 @@ class EngineMetrics:
             ("requests_failed", "Requests that ended with an error."),
             ("rounds", "Batched verification forwards."),
             ("prefill_forwards", "Batched prefill forwards."),
+            ("prefill_chunks", "Prompt chunks prefilled (a long prompt is prefilled over several rounds)."),
+            ("prefill_tokens", "Prompt tokens prefilled."),
             ("request_rounds", "Request participations in verification rounds."),
             ("tokens_generated", "Tokens emitted to requests."),
             ("drafts_verified", "Drafted tokens sent to verification."),

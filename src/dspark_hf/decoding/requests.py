@@ -132,6 +132,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     kv: SlotRow | None = None  # the request's slot in the engine's target KV (and `dkv` in the draft's)
     dkv: SlotRow | None = None
+    prefilled: int = 0  # prompt tokens in the target's KV so far: the request decodes once all of them are
     text_done: int = 0  # tokens whose text has been streamed (incremental detokenisation)
     text_prefix: int = 0  # where the decoded window starts (the previous call's `text_done`)
     text_len: int = 0  # characters streamed
