@@ -102,22 +102,42 @@ def start_server(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(3000):  # bounded: 10 minutes (the first hardware-aware start measures the SPS profile)
+    wait_ready(proc, url + "/ready", log, mode)
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, ready_url: str, log: Path, name: str, seconds: float = 600) -> None:
+    """Poll `ready_url` until it answers 200 (bounded: `seconds`, 10 minutes by default: the first hardware-aware
+    start measures the SPS profile); exit with the log's tail if the server dies or never gets ready."""
+    for _ in range(int(seconds / 0.2)):
         if proc.poll() is not None:
-            raise SystemExit(f"server for mode {mode} exited:\n{log.read_text()[-2000:]}")
+            raise SystemExit(f"server for mode {name} exited:\n{log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit(f"server for mode {mode} never became ready")
+    raise SystemExit(f"server for mode {name} never became ready")
 
 
-async def one_request(client, prompt: str, max_tokens: int) -> dict:
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every server still running, then wait up to a minute for each and kill what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def one_request(client, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """One greedy streaming chat request; `extra` adds body fields (e.g. `ignore_eos`, `model`)."""
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens}
-    body.update(stream=True, return_token_ids=True)
+    body.update(stream=True, return_token_ids=True, **(extra or {}))
     sent = time.perf_counter()
     arrivals = []  # (time, tokens in the chunk)
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -148,13 +168,13 @@ def eval_prompts(per_set: int = 4) -> list[str]:
     return [prompts[i] for i in range(per_set) for prompts in sets]
 
 
-async def load_level(url: str, concurrency: int, requests: int, max_tokens: int, prompts=None) -> dict:
+async def load_level(url: str, concurrency: int, requests: int, max_tokens: int, prompts=None, extra=None) -> dict:
     counter = iter(range(requests))
     prompts = prompts or PROMPTS
 
     async def client_loop(client, results):
         for i in counter:  # shared iterator: each request index is taken by exactly one client
-            results.append(await one_request(client, prompts[i % len(prompts)], max_tokens))
+            results.append(await one_request(client, prompts[i % len(prompts)], max_tokens, extra))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -352,14 +372,7 @@ def main() -> None:
                     out.write_text(json.dumps({**report, "samples": samples}, indent=1))  # partial results
         engines = {mode: engine_summary(url) for mode, (_, url) in servers.items()}
     finally:
-        for proc, _ in servers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in servers.values():
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers([proc for proc, _ in servers.values()])
 
     medians = _medians(samples)
     report.update(complete=True, engine=engines, medians=medians, samples=samples)
