@@ -37,6 +37,8 @@ class PayoffState:
     drafts: int = 0
     plains: int = 0
     streak: int = 0  # trying rounds since the last plain round
+    draft_weight: float = 0.0  # the trying rounds, decayed like their sums (seconds / weight: seconds per round)
+    plain_weight: float = 0.0
 
     def add(self, drafted: bool, tokens: float, seconds: float, keep: float) -> None:
         """Add a round (`tokens` emitted in `seconds`) to the trying or the plain sums, the old sums kept at
@@ -44,10 +46,12 @@ class PayoffState:
         if drafted:
             self.draft_tokens = keep * self.draft_tokens + tokens
             self.draft_seconds = keep * self.draft_seconds + seconds
+            self.draft_weight = keep * self.draft_weight + 1
             self.drafts += 1
         else:
             self.plain_tokens = keep * self.plain_tokens + tokens
             self.plain_seconds = keep * self.plain_seconds + seconds
+            self.plain_weight = keep * self.plain_weight + 1
             self.plains += 1
 
     @property
@@ -57,6 +61,16 @@ class PayoffState:
     @property
     def plain_rate(self) -> float:
         return self.plain_tokens / self.plain_seconds if self.plain_seconds > 0 else 0.0
+
+    @property
+    def stake(self) -> float | None:
+        """What a trying round costs over a plain one, as a share of the plain round's time (`0.2`: 20% longer),
+        from the decayed sums; `None` until both kinds were measured."""
+        if self.draft_weight <= 0 or self.plain_weight <= 0 or self.plain_seconds <= 0:
+            return None
+        per_try = self.draft_seconds / self.draft_weight
+        per_plain = self.plain_seconds / self.plain_weight
+        return max(0.0, per_try / per_plain - 1.0)
 
 
 @dataclass
@@ -73,6 +87,11 @@ class PayoffGuard:
         probe_weight (`float`, *optional*, defaults to 0.5): decay of the trying sums at a probe.
         explore (`int`, *optional*, defaults to 16): rounds waited before the first probe at a batch size.
         explore_max (`int`, *optional*, defaults to 256): the longest wait between probes.
+        scale_by_stake (`bool`, *optional*, defaults to `False`): scale the margin and the waits at a batch size by
+            what a trying round costs there over a plain one ([`PayoffState.stake`], capped at 1): where trying
+            costs 20% of a round (one request on a CPU: a few more tokens in a memory-bound forward), a wrong
+            verdict either way costs little, so the margin is a fifth of `margin` and a probe comes after a fifth
+            of the wait; where it costs a whole round or more (a batch), both are as set.
     """
 
     after: int | None = 4
@@ -83,6 +102,7 @@ class PayoffGuard:
     probe_weight: float = 0.5
     explore: int = 16
     explore_max: int = 256
+    scale_by_stake: bool = False
     states: dict = field(default_factory=dict)  # rows -> PayoffState
     waits: dict = field(default_factory=dict)  # rows -> rounds to wait before the next probe
     since: dict = field(default_factory=dict)  # rows -> rounds waited (what counts is the decider's choice)
@@ -93,9 +113,15 @@ class PayoffGuard:
         """Whether `state` has measured enough rounds to judge."""
         return bool(self.after) and state is not None and state.drafts >= self.after and state.plains >= self.min_plains
 
+    def scale(self, state: PayoffState | None) -> float:
+        """The factor on the margin and the waits at a batch size: 1, or with `scale_by_stake` the measured
+        [`PayoffState.stake`] capped at 1 (1 until it is measured)."""
+        stake = state.stake if self.scale_by_stake and state is not None else None
+        return 1.0 if stake is None else min(1.0, stake)
+
     def pays(self, state: PayoffState) -> bool:
         """Whether trying rounds in `state` emitted more per second than plain ones, by the margin."""
-        return state.draft_rate > (1 + self.margin) * state.plain_rate
+        return state.draft_rate > (1 + self.margin * self.scale(state)) * state.plain_rate
 
     def vetoed_here(self, rows: int) -> bool:
         """Trying measured a loss at `rows` itself."""
@@ -116,7 +142,10 @@ class PayoffGuard:
     # ------------------------------------------------------------------ probes and measurements
     def probe_due(self, rows: int) -> bool:
         """Whether `rows` has waited long enough for its next probe."""
-        return self.since.get(rows, 0) >= self.waits.get(rows, self.explore)
+        wait = self.waits.get(rows, self.explore)
+        if self.scale_by_stake:
+            wait = max(1, round(wait * self.scale(self.states.get(rows))))
+        return self.since.get(rows, 0) >= wait
 
     def add_round(self, rows: int, tried: bool, tokens: float, seconds: float, probe: bool = False) -> PayoffState:
         """Add a round at `rows` that emitted `tokens` in `seconds` (`tried`: a drafting / copy round; `probe`:
