@@ -8,15 +8,22 @@ cached keys and causally to itself (what the engine's chunked prefill runs, with
 a time (plain decoding). Logits and every layer's keys and values must be `torch.equal` across the three, for a
 prompt longer than 512 tokens (the length up to which the exact mode used to run, the stock kernels beyond). The
 stock kernels must fail the same check, which shows it has the power to tell.
+
+The attention kernel scores queries in groups of four against four keys at a time and scores only the keys up to a
+query's last visible one: every query of a many-query call (full and partial groups, causal or masked, padded rows
+with no visible key, head dimensions on and off the vector width) must equal the one-query call over the keys it
+sees, and torch's SDPA must fail that check.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from dspark_hf.kernels import build, is_lean_model, use_kernels
+from dspark_hf.kernels.ops import NO_MASK
 
 from helpers import make_target
 
@@ -94,3 +101,49 @@ def test_stock_prefill_fails_the_same_check():
     # negative control: the stock kernels' chunked prefill rounds differently from the one-shot one
     target = _target()
     assert _differences(target, "stock", chunkings=CHUNKINGS[:3], one_by_one=False)
+
+
+def _attention_row_mismatches(attention, dim: int, q_len: int, past: int, masked: bool) -> int:
+    """Queries of one `q_len`-query call that differ from the one-query call over the keys they see."""
+    gen = torch.Generator().manual_seed(q_len * 31 + past + dim)
+    kv_len = past + q_len
+    q = torch.randn(2, 4, q_len, dim, generator=gen)
+    k, v = torch.randn(2, 2, kv_len, dim, generator=gen), torch.randn(2, 2, kv_len, dim, generator=gen)
+    mask = None
+    if masked:  # causal, the second sequence left-padded by 3, its first query sees nothing at all
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(past).expand(2, 1, q_len, kv_len).clone()
+        mask[1, :, :, :3] = False
+        mask[1, :, 0] = False
+    full = attention(q, k, v, mask)
+    bad = 0
+    for i in range(q_len):
+        seen = past + i + 1
+        row_mask = None if mask is None else mask[:, :, i : i + 1, :seen]
+        one = attention(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], row_mask)
+        bad += not torch.equal(one[:, :, 0], full[:, :, i])
+    return bad
+
+
+def _exact_attention(q, k, v, mask):
+    out = build.backend().attention(q, k, v, NO_MASK if mask is None else mask, 0.3)  # [B, L, H, D]
+    return out.transpose(1, 2)
+
+
+def _sdpa(q, k, v, mask):
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("dim", [64, 20])
+@pytest.mark.parametrize("masked", [False, True])
+def test_exact_attention_queries_of_a_many_query_call_equal_one_query_calls(dim, masked):
+    for q_len, past in [(1, 0), (3, 5), (4, 0), (5, 9), (9, 0), (37, 13), (130, 0)]:
+        assert _attention_row_mismatches(_exact_attention, dim, q_len, past, masked) == 0, (q_len, past)
+
+
+def test_sdpa_fails_the_attention_check():
+    # negative control: torch's SDPA computes a many-query call differently from one-query calls
+    bad = sum(_attention_row_mismatches(_sdpa, 64, q_len, 13, False) for q_len in (9, 37, 130))
+    assert bad > 0

@@ -15,7 +15,10 @@
 //    into one 8-lane accumulator, a zero-padded last chunk, then a fixed horizontal sum of the 8 lanes), their maximum,
 //    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
 //    the weighted sum of values accumulated key by key in ascending order. Keys a query may not see are
-//    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more.
+//    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more, and
+//    whatever other queries share the call: a prefill of any length, in one call or in chunks, computes each
+//    query as decoding does. Queries are scored in groups of four against four keys at a time (one accumulator
+//    per pair), which reads each key once per group instead of once per query.
 //
 //  * rms_norm, rope, silu_mul: the per-row steps of a decoder layer, for the exact mode's lean layer path.
 //
@@ -228,11 +231,10 @@ inline void gemm_tile(const float* x, int64_t ldx, const float* panel, int64_t K
 inline uint16_t bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  uint16_t h = static_cast<uint16_t>(u >> 16);
-  if ((h & 0x7f80u) == 0) h &= 0x8000u;
-  return h;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  uint32_t h = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;  // branch-free: the row loop vectorises
+  h = (h & 0x7f80u) == 0 ? (h & 0x8000u) : h;
+  return static_cast<uint16_t>(h);
 }
 
 inline float bf16_value(uint32_t h) {
@@ -251,10 +253,10 @@ inline float flush_denormal(float a) { return std::fabs(a) < std::numeric_limits
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define DSPARK_BF16_NATIVE 1
-// R rows of bf16 pairs (x + r * ldx: one uint32 per k pair, the even k in the low half) against one packed bf16
-// panel [K2][GNR][2]: every lane's chain over the pairs into tmp[r][j].
+// R rows of bf16 (x + 2 * r * ldx, ldx k pairs a row) against one packed bf16 panel [K2][GNR][2]: every lane's
+// chain over the pairs into tmp[r][j].
 template <int R>
-inline void gemm_tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
+inline void gemm_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
   __m512 acc[R][GNV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < GNV; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -265,7 +267,9 @@ inline void gemm_tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel
     __m512bh w[GNV];
     for (int j = 0; j < GNV; ++j) w[j] = (__m512bh)_mm512_loadu_si512(q + j * 32);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + p]));
+      int pair;  // x[2p] in the low half, x[2p + 1] in the high one (x86 is little-endian)
+      std::memcpy(&pair, x + 2 * (r * ldx + p), 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < GNV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
     }
   }
@@ -277,7 +281,7 @@ inline void gemm_tile_bf16(const uint32_t* x, int64_t ldx, const uint16_t* panel
 // The same chains without AVX-512 BF16, lane by lane: the reference the native kernel is tested against, and what
 // runs on CPUs without it.
 template <int R>
-inline void gemm_tile_bf16_portable(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
+inline void gemm_tile_bf16_portable(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* tmp) {
   alignas(64) float acc[R][GNR];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < GNR; ++j) acc[r][j] = 0.f;
@@ -289,8 +293,7 @@ inline void gemm_tile_bf16_portable(const uint32_t* x, int64_t ldx, const uint16
       w1[j] = bf16_value(q[2 * j + 1]);
     }
     for (int r = 0; r < R; ++r) {
-      const uint32_t pair = x[r * ldx + p];
-      const float x0 = bf16_value(pair & 0xffffu), x1 = bf16_value(pair >> 16);
+      const float x0 = bf16_value(x[2 * (r * ldx + p)]), x1 = bf16_value(x[2 * (r * ldx + p) + 1]);
       for (int j = 0; j < GNR; ++j) {
         const float a = flush_denormal(std::fmaf(x1, w1[j], acc[r][j]));
         acc[r][j] = flush_denormal(std::fmaf(x0, w0[j], a));
@@ -486,22 +489,22 @@ void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<Linear
     });
     return;
   }
-  // each row of x rounded to bf16 once, as k pairs (the even k in the low half; an odd K's last pair padded with 0)
+  // each row of x rounded to bf16 once, as k pairs (an odd K's last pair padded with a zero)
   const int64_t K2 = (K + 1) / 2;
-  std::vector<uint32_t> xb(static_cast<size_t>(M * K2));
+  std::vector<uint16_t> xb(static_cast<size_t>(M * 2 * K2));
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t q = 0; q < K2; ++q) {
-        const uint32_t lo = bf16_bits(xp[m * K + 2 * q]);
-        const uint32_t hi = 2 * q + 1 < K ? bf16_bits(xp[m * K + 2 * q + 1]) : 0u;
-        xb[m * K2 + q] = lo | (hi << 16);
-      }
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = xp + m * K;
+      uint16_t* dst = xb.data() + m * 2 * K2;
+      for (int64_t k = 0; k < K; ++k) dst[k] = bf16_bits(src[k]);
+      if (K % 2 != 0) dst[K] = 0;
+    }
   });
   const int64_t block_rows = std::max<int64_t>(GMR, (GEMM_BLOCK_BYTES / (K2 * 4)) / GMR * GMR);
   const bool native = precision == Precision::bf16 && bf16_native_build();
   run_panels(M, block_rows, jobs, first, [&](size_t j, int64_t p, int64_t m, int64_t R, float* tmp) {
     const uint16_t* panel = reinterpret_cast<const uint16_t*>(packs[j].data_ptr<at::BFloat16>()) + p * K2 * GNR * 2;
-    const uint32_t* x = xb.data() + m * K2;
+    const uint16_t* x = xb.data() + m * 2 * K2;
 #ifdef DSPARK_BF16_NATIVE
     if (native) {
       with_rows(R, [&](auto r) { gemm_tile_bf16<decltype(r)::value>(x, K2, panel, K2, tmp); });
@@ -580,9 +583,69 @@ int64_t pack_release() {
   return total;
 }
 
+// The weighted sum of one query's values: over its visible keys j < jend in ascending order, p = exp(score - mx),
+// denom += p and acc[d] = fma(p, v[j, d], acc[d]) for every d, then out[d] = acc[d] / denom. Every d is its own chain
+// (a vector lane), so the vector width does not change a bit of it: NV vectors of GV lanes held in registers when the
+// head dimension is NV * GV (64 or 128 on AVX-512), else (NV = 0) 8-lane vectors with a zero-padded tail in memory.
+template <int NV>
+inline void weighted_values(const float* scores, const char* seen, int64_t jend, float mx, const float* vb,
+                            int64_t vstride, int64_t D, float* oi) {
+  float denom = 0.f;
+  if constexpr (NV > 0) {
+    gvec acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = gzero();
+    for (int64_t j = 0; j < jend; ++j) {
+      if (!seen[j]) continue;
+      const float p = std::exp(scores[j] - mx);
+      denom = denom + p;
+      const gvec pv = gset1(p);
+      const float* vj = vb + j * vstride;
+      for (int c = 0; c < NV; ++c) acc[c] = gfma(pv, gload(vj + c * GV), acc[c]);
+    }
+    alignas(64) float tmp[GV];
+    for (int c = 0; c < NV; ++c) {
+      gstore(tmp, acc[c]);
+      for (int l = 0; l < GV; ++l) oi[c * GV + l] = tmp[l] / denom;
+    }
+  } else {
+    const int64_t dv = (D + 7) / 8;
+    vec8 acc[64];
+    for (int64_t c = 0; c < dv; ++c) acc[c] = vzero();
+    for (int64_t j = 0; j < jend; ++j) {
+      if (!seen[j]) continue;
+      const float p = std::exp(scores[j] - mx);
+      denom = denom + p;
+      const float* vj = vb + j * vstride;
+#ifdef DSPARK_AVX2
+      const vec8 pv = _mm256_set1_ps(p);
+#else
+      vec8 pv;
+      for (int l = 0; l < 8; ++l) pv.v[l] = p;
+#endif
+      for (int64_t c = 0; c < dv; ++c) {
+        const int64_t d0 = c * 8;
+        const vec8 vv = (d0 + 8 <= D) ? vload(vj + d0) : vload_tail(vj + d0, D - d0);
+        acc[c] = vfma(pv, vv, acc[c]);
+      }
+    }
+    alignas(32) float tmp[8];
+    for (int64_t c = 0; c < dv; ++c) {
+      vstore(tmp, acc[c]);
+      const int64_t d0 = c * 8;
+      for (int64_t l = 0; l < 8 && d0 + l < D; ++l) oi[d0 + l] = tmp[l] / denom;
+    }
+  }
+}
+
 // q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any strides with a contiguous last dim), mask: empty (causal: query
 // i sees keys 0 .. Lk - Lq + i) or bool broadcastable to [B, Hq, Lq, Lk] (true = may attend).
 // Returns [B, Lq, Hq, D] (the layout transformers' attention functions return).
+//
+// Queries run in groups of QG consecutive ones of one (batch, head): the keys all of them may reach are scored as
+// QG x 4 tiles (each query-key pair its own accumulator, the same operations as a pair scored alone), the rest
+// query by query; only keys up to a query's last visible one are scored. Each query's softmax and weighted sum
+// then run on its own, in ascending key order. Grouping, tiling and threads change which pairs are computed
+// together, never the operations of one, so a query's output does not depend on the other queries in the call.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "exact attention: float32 only");
@@ -611,70 +674,81 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t ms0 = has_mask ? m.stride(0) : 0, ms1 = has_mask ? m.stride(1) : 0;
   const int64_t ms2 = has_mask ? m.stride(2) : 0, ms3 = has_mask ? m.stride(3) : 0;
   const float sc = static_cast<float>(scale);
-  const int64_t dv = (D + 7) / 8;
-  TORCH_CHECK(dv <= 64, "exact attention: head_dim up to 512");
-  at::parallel_for(0, B * Hq * Lq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(Lk);
-    std::vector<char> seen(Lk);
-    vec8 acc[64];
-    alignas(32) float tmp[8];
+  TORCH_CHECK((D + 7) / 8 <= 64, "exact attention: head_dim up to 512");
+  constexpr int64_t QG = 4;
+  const int64_t groups = (Lq + QG - 1) / QG;
+  at::parallel_for(0, B * Hq * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(QG * Lk);
+    std::vector<char> seen(QG * Lk);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / (Hq * Lq), h = (idx / Lq) % Hq, i = idx % Lq;
+      const int64_t b = idx / (Hq * groups), h = (idx / groups) % Hq, i0 = (idx % groups) * QG;
+      const int64_t nq = std::min<int64_t>(QG, Lq - i0);
       const int64_t hk = h / rep;
-      const float* qi = qp + b * qs[0] + h * qs[1] + i * qs[2];
       const float* kb = kp + b * ks[0] + hk * ks[1];
       const float* vb = vp + b * vs[0] + hk * vs[1];
-      // keys past the causal limit are never visible; with a mask every key is checked
-      const int64_t jend = has_mask ? Lk : std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + i + 1));
-      for (int64_t j = 0; j < Lk; ++j)
-        seen[j] = j < jend && (!has_mask || mp[b * ms0 + h * ms1 + i * ms2 + j * ms3]);
-      // the raw dot products four keys at a time (independent accumulators, the same arithmetic per key as
-      // one at a time), then the scaled scores of the visible keys and their maximum
-      const float* xs[1] = {qi};
-      int64_t j = 0;
-      for (; j + 4 <= jend; j += 4) {
-        const float* ws[4] = {kb + j * ks[2], kb + (j + 1) * ks[2], kb + (j + 2) * ks[2], kb + (j + 3) * ks[2]};
-        dot_tile<1, 4>(xs, ws, D, scores.data() + j, 1, nullptr);
+      const float* qi[QG];
+      int64_t jend[QG];
+      int64_t jmin = Lk;
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t i = i0 + r;
+        qi[r] = qp + b * qs[0] + h * qs[1] + i * qs[2];
+        char* sr = seen.data() + r * Lk;
+        if (has_mask) {  // keys past the last one the mask allows are never visible
+          const bool* mr = mp + b * ms0 + h * ms1 + i * ms2;
+          int64_t e = Lk;
+          while (e > 0 && !mr[(e - 1) * ms3]) --e;
+          jend[r] = e;
+          for (int64_t j = 0; j < e; ++j) sr[j] = mr[j * ms3];
+        } else {  // causal over the cache
+          jend[r] = std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + i + 1));
+          std::memset(sr, 1, jend[r]);
+        }
+        jmin = std::min(jmin, jend[r]);
       }
-      for (; j < jend; ++j) {
-        const float* ws[1] = {kb + j * ks[2]};
-        dot_tile<1, 1>(xs, ws, D, scores.data() + j, 1, nullptr);
-      }
-      float mx = -std::numeric_limits<float>::infinity();
-      for (j = 0; j < jend; ++j) {
-        if (!seen[j]) continue;
-        const float s = scores[j] * sc;
-        scores[j] = s;
-        if (s > mx) mx = s;
-      }
-      float* oi = op + ((b * Lq + i) * Hq + h) * D;
-      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a fully padded row): zeros
-        for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
-        continue;
-      }
-      float denom = 0.f;
-      for (int64_t c = 0; c < dv; ++c) acc[c] = vzero();
-      for (int64_t j = 0; j < Lk; ++j) {
-        if (!seen[j]) continue;
-        const float p = std::exp(scores[j] - mx);
-        denom = denom + p;
-        const float* vj = vb + j * vs[2];
-#ifdef DSPARK_AVX2
-        const vec8 pv = _mm256_set1_ps(p);
-#else
-        vec8 pv;
-        for (int l = 0; l < 8; ++l) pv.v[l] = p;
-#endif
-        for (int64_t c = 0; c < dv; ++c) {
-          const int64_t d0 = c * 8;
-          const vec8 vv = (d0 + 8 <= D) ? vload(vj + d0) : vload_tail(vj + d0, D - d0);
-          acc[c] = vfma(pv, vv, acc[c]);
+      // the raw dot products: QG queries x 4 keys where all of them reach, then each query's own rest four keys
+      // at a time (independent accumulators, the same arithmetic per pair as one at a time)
+      int64_t j0 = 0;
+      if (nq == QG) {
+        for (; j0 + 4 <= jmin; j0 += 4) {
+          const float* ws[4] = {kb + j0 * ks[2], kb + (j0 + 1) * ks[2], kb + (j0 + 2) * ks[2], kb + (j0 + 3) * ks[2]};
+          dot_tile<QG, 4>(qi, ws, D, scores.data() + j0, Lk, nullptr);
         }
       }
-      for (int64_t c = 0; c < dv; ++c) {
-        vstore(tmp, acc[c]);
-        const int64_t d0 = c * 8;
-        for (int64_t l = 0; l < 8 && d0 + l < D; ++l) oi[d0 + l] = tmp[l] / denom;
+      for (int64_t r = 0; r < nq; ++r) {
+        float* sr = scores.data() + r * Lk;
+        const float* xs[1] = {qi[r]};
+        int64_t j = j0;
+        for (; j + 4 <= jend[r]; j += 4) {
+          const float* ws[4] = {kb + j * ks[2], kb + (j + 1) * ks[2], kb + (j + 2) * ks[2], kb + (j + 3) * ks[2]};
+          dot_tile<1, 4>(xs, ws, D, sr + j, 1, nullptr);
+        }
+        for (; j < jend[r]; ++j) {
+          const float* ws[1] = {kb + j * ks[2]};
+          dot_tile<1, 1>(xs, ws, D, sr + j, 1, nullptr);
+        }
+      }
+      // per query: the scaled scores of the visible keys, their maximum, the weighted sum of values
+      for (int64_t r = 0; r < nq; ++r) {
+        float* sr = scores.data() + r * Lk;
+        const char* seen_r = seen.data() + r * Lk;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < jend[r]; ++j) {
+          if (!seen_r[j]) continue;
+          const float s = sr[j] * sc;
+          sr[j] = s;
+          if (s > mx) mx = s;
+        }
+        float* oi = op + ((b * Lq + i0 + r) * Hq + h) * D;
+        if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a fully padded row): zeros
+          for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
+          continue;
+        }
+        if (D == 4 * GV)
+          weighted_values<4>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
+        else if (D == 8 * GV)
+          weighted_values<8>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
+        else
+          weighted_values<0>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
       }
     }
   });
