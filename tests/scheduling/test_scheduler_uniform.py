@@ -351,3 +351,41 @@ def test_a_gain_inside_the_guard_margin_is_not_trusted(margin):
         assert drafting == policy.guard_after, plans
     else:
         assert drafting >= 18, plans
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_the_guard_margin_and_waits_shrink_with_what_drafting_costs(scaled):
+    """One request on a CPU: a drafting round takes 0.12 s where a plain one takes 0.1 s (a stake of 20%) and
+    emits 1.25 tokens: 4% more per second. Scaled by the stake, the margin is 2% and the 4% pays, and a probe is
+    due after a fifth of the wait; unscaled (the control) the 10% margin rejects it and the wait is the full 16.
+    Where drafting costs a whole plain round or more (a batch) both rules are the same."""
+    from dspark_hf.scheduling.payoff import PayoffGuard
+
+    guard = PayoffGuard(after=2, margin=0.1, explore=16, scale_by_stake=scaled)
+    for _ in range(5):
+        guard.add_round(1, False, 1.0, 0.1)
+    for _ in range(3):
+        guard.add_round(1, True, 1.25, 0.12)
+    assert guard.states[1].stake == pytest.approx(0.2)
+    assert guard.vetoed_here(1) is not scaled
+    guard.since[1] = 3
+    assert guard.probe_due(1) is scaled
+    guard.since[1] = 16
+    assert guard.probe_due(1)
+
+    for _ in range(5):  # a batch: drafting rounds cost 2.5 plain ones and emit 2.6x the tokens (4% more per second)
+        guard.add_round(8, False, 8.0, 0.1)
+    for _ in range(3):
+        guard.add_round(8, True, 20.8, 0.25)
+    assert guard.states[8].stake == pytest.approx(1.5)
+    assert guard.vetoed_here(8)
+    guard.since[8] = 15
+    assert not guard.probe_due(8)
+
+
+def test_the_shipped_policy_scales_its_guard_by_the_stake():
+    assert UniformHardwareAwarePolicy().scale_by_stake
+    policy = UniformHardwareAwarePolicy(sps=SPSProfile({1: 0.1, 4: 0.1}))
+    ctx = ScheduleContext()
+    _drive(policy, ctx, 6)
+    assert ctx.guard.scale_by_stake
