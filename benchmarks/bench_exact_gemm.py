@@ -17,6 +17,12 @@ every weight comes from memory: that is the one-row cost decoding pays (3x the r
 forwards are short enough for a busy machine's noise to matter).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_exact_gemm.py --threads 1
+
+With `--bf16`: the exact bf16 GEMM (`linear_bf16`: x and w rounded to bf16, vdpbf16ps chains, float32 out) against
+the exact float32 one and `torch.nn.functional.linear` on bf16 tensors (oneDNN), GFLOP/s by shape and row count
+(rows 1 ... 1024), then one forward's 211 weights from memory at the small row counts:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_exact_gemm.py --bf16 --threads 1
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the revision whose exact linear is the `old exact` column: the last one before the packed GEMM
 DEFAULT_BASELINE = "4a3d8b0"
 ROWS = (1, 2, 4, 8, 16, 64, 256, 512)
+BF16_ROWS = (1, 4, 16, 64, 256, 512, 1024)
 #: (name, out features N, in features K, how many per forward) of SmolLM2-135M (30 layers, tied LM head)
 SHAPES = (
     ("q_proj/o_proj", 576, 576, 60),
@@ -134,12 +141,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="git revision of the `old exact` column")
-    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    parser.add_argument("--rows", type=int, nargs="*", default=None, help=f"default {ROWS} ({BF16_ROWS} with --bf16)")
+    parser.add_argument("--bf16", action="store_true", help="the exact bf16 GEMM against the fp32 one and stock bf16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     compiled = build.backend()
     if compiled is None:
         sys.exit("the exact kernels could not be compiled here")
+    if args.bf16:
+        bf16_tables(compiled, args)
+        return
+    args.rows = args.rows or list(ROWS)
     kernels = {"exact": compiled.linear}
     old = baseline_linear(args.baseline) if args.baseline else None
     if old is not None:
@@ -177,6 +189,39 @@ def main() -> None:
         rel = " | ".join(f"{t['exact'] / t[name]:.2f}" for name in names[1:])
         growth = " | ".join(f"{t[name] / first[name]:.1f}" for name in names)
         print(f"| {rows} | {cells} | {rel} | {growth} |", flush=True)
+
+
+def bf16_tables(compiled, args) -> None:
+    """GFLOP/s of the exact bf16 GEMM, the exact fp32 GEMM and stock bf16 by shape and rows; one forward from memory."""
+    kernels = {"exact fp32": compiled.linear, "exact bf16": compiled.linear_bf16, "stock bf16": F.linear}
+    names = list(kernels)
+    rows_list = args.rows or list(BF16_ROWS)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    native = "vdpbf16ps" if compiled.bf16_native() else "portable kernel"
+    print(f"threads {args.threads}, torch {torch.__version__} ({cpu}), exact bf16 on the {native}, ", end="")
+    print(f"{args.repeats} interleaved repeats, medians\n")
+    print(f"| shape (N x K) | rows | {' | '.join(f'{n} ms' for n in names)} | ", end="")
+    print(
+        f"{' | '.join(f'{n} GFLOP/s' for n in names)} | exact bf16 / exact fp32 speed | exact bf16 / stock bf16 speed |"
+    )
+    print("|---|---:|" + "---:|" * (2 * len(names) + 2))
+    for label, n, k, _count in SHAPES:
+        for rows in rows_list:
+            t = measure(kernels, rows, n, k, args.repeats)
+            flops = " | ".join(f"{2 * rows * n * k / t[name] / 1e9:.0f}" for name in names)
+            cells = " | ".join(f"{t[name] * 1e3:.3f}" for name in names)
+            speed = f"{t['exact fp32'] / t['exact bf16']:.2f} | {t['stock bf16'] / t['exact bf16']:.2f}"
+            print(f"| {label} ({n} x {k}) | {rows} | {cells} | {flops} | {speed} |", flush=True)
+    print("\nOne forward's linears: 211 distinct weights (30 layers x 7 + the LM head), from memory:\n")
+    print(
+        f"| rows | {' | '.join(f'{n} ms' for n in names)} | exact bf16 / exact fp32 speed | exact bf16 / stock bf16 speed |"
+    )
+    print("|---:|" + "---:|" * (len(names) + 2))
+    for rows in [r for r in rows_list if r <= 16]:
+        t = measure_forward(kernels, rows, args.repeats * 3)
+        cells = " | ".join(f"{t[name] * 1e3:.1f}" for name in names)
+        speed = f"{t['exact fp32'] / t['exact bf16']:.2f} | {t['stock bf16'] / t['exact bf16']:.2f}"
+        print(f"| {rows} | {cells} | {speed} |", flush=True)
 
 
 if __name__ == "__main__":
