@@ -123,6 +123,9 @@ def _slots_in_order(engine):
     assert [r.kv.slot for r in decoding] == list(range(len(decoding)))
     assert all(r.dkv is None or r.dkv.slot == r.kv.slot for r in engine._active)
     assert all(len(r.kv) == r.prefilled + max(0, len(r.tokens) - 1) for r in decoding)
+    assert all(len(r.kv) == r.prefilled for r in engine._active if r not in decoding)
+    # the draft's context plus the features it has not ingested yet cover exactly what the target committed
+    assert all(r.dkv is None or len(r.dkv) + r.pending_tokens == len(r.kv) for r in engine._active)
 
 
 @pytest.fixture(scope="module")
