@@ -436,13 +436,16 @@ class DSparkEngine:
         request whose last chunk this is gets its first token."""
         start = time.perf_counter()
         budget, rows, chunks = self.max_prefill_tokens, [], []
+        # a padded forward computes every row as long as its longest: no row gets a longer chunk than the first
+        widest = budget if self.layout == "packed" else None
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
-            n = min(len(req.prompt) - req.prefilled, budget)
+            n = min(len(req.prompt) - req.prefilled, budget, widest or budget)
             if n <= 0:
                 break
             rows.append(req)
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
             budget -= n
+            widest = widest or n
         out = ragged_target_forward(
             self.target, [r.kv for r in rows], chunks, [[len(c) - 1] for c in chunks], self.layer_ids, self.layout,
             self._linear_cost,
