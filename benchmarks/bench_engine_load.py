@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="target and draft dtype: float32 (default), bfloat16, float16")
     parser.add_argument(
         "--kernels",
-        choices=["stock", "packed", "exact"],
+        choices=["stock", "packed", "exact", "exact-bf16"],
         default=None,
         help="the target's CPU kernels in every mode, `none` included (default: the library's for the target, as "
         "`dspark serve` runs it: exact for a float32 CPU Llama/Qwen target)",

@@ -54,7 +54,7 @@ def main() -> None:
         "interleaved (as bench_serve.py --prompts eval)",
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kernels", default="exact", choices=("stock", "packed", "exact"))
+    parser.add_argument("--kernels", default="exact", choices=("stock", "packed", "exact", "exact-bf16"))
     parser.add_argument("--out", default="benchmarks/results/engine_policies.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.2, 0.4, 0.6])
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--out-name", default="policies.json")
-    parser.add_argument("--kernels", default="exact", choices=("stock", "packed", "exact"))
+    parser.add_argument("--kernels", default="exact", choices=("stock", "packed", "exact", "exact-bf16"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (top-k/p off)")
     parser.add_argument("--candidates", nargs="+", default=None, help="only these policies (default: all)")
     parser.add_argument("--no-load-sweep", action="store_true")

@@ -41,7 +41,8 @@ _COMPILED_HELP = (
 _KERNELS_HELP = (
     "CPU kernels of every forward of the run: exact (batch-invariant: a sequence's tokens do not depend on the "
     "others decoded with it, so speculative greedy output equals plain decoding on them by construction), stock "
-    "(PyTorch's own) or packed (default: exact for a float32 Llama/Qwen target on the CPU, stock elsewhere; see "
+    "(PyTorch's own), packed, or exact-bf16 (exact with every linear on a bf16 GEMM: batch-invariant, but not "
+    "float32 output) (default: exact for a float32 Llama/Qwen target on the CPU, stock elsewhere; see "
     "docs/cpu-packing.md)"
 )
 
@@ -57,7 +58,7 @@ class SpeculationArguments:
         cuda_graphs (`str`, *optional*): `"on"`, `"off"` or `"auto"` (unset).
         lookup (`str`, *optional*): `"on"`, `"off"` or `"default"` (unset).
         compiled (`str`, *optional*): `"on"`, `"off"` or `"auto"` (unset).
-        kernels (`str`, *optional*): `"stock"`, `"packed"` or `"exact"`.
+        kernels (`str`, *optional*): `"stock"`, `"packed"`, `"exact"` or `"exact-bf16"`.
     """
 
     policy: str | None = field(
@@ -81,7 +82,9 @@ class SpeculationArguments:
         metadata={"help": _COMPILED_HELP, "choices": ("auto", "on", "off"), "unset": "auto", "method": "compiled-{}"},
     )
     # dspark_hf.kernels.KERNEL_MODES, spelled out so that building the parser imports no torch (tested equal)
-    kernels: str | None = field(default=None, metadata={"help": _KERNELS_HELP, "choices": ("stock", "packed", "exact")})
+    kernels: str | None = field(
+        default=None, metadata={"help": _KERNELS_HELP, "choices": ("stock", "packed", "exact", "exact-bf16")}
+    )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> SpeculationArguments:

@@ -194,7 +194,7 @@ def _print_identity(args, mode: str, outs: dict) -> int:
     if args.temperature > 0:
         return 0
     same = torch.equal(outs.get("plain_same", outs["plain"]), outs["spec"])
-    promise = "; by construction with exact kernels" if mode == "exact" else ""
+    promise = "; by construction with exact kernels" if mode in ("exact", "exact-bf16") else ""
     print(
         f"greedy output identical to plain generate(): {'yes' if same else 'NO'} "
         f"(plain decoding on the same {mode} kernels{promise})"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .._transformers import forward_hooks, has_forward_pre_hooks
-from ..kernels import is_exact, is_exact_norm, is_lean, lean_arguments
+from ..kernels import is_exact, is_exact_bf16, is_exact_norm, is_lean, lean_arguments, lean_bf16
 from ..kernels.build import backend as exact_backend
 from ..model.heads import ConfidenceHead, MarkovHead
 from .caches import KVStore
@@ -76,6 +76,7 @@ class CompiledRound:
         self.conf_bias = None if conf is None or conf.proj.bias is None else conf.proj.bias.detach()
         self.conf_markov = conf is not None and conf.with_markov
         self.capacity = max_tokens + self.gamma
+        self.bf16 = is_exact_bf16(draft.fc)  # the exact-bf16 mode: every linear of the round on the bf16 GEMM
 
     @staticmethod
     def available() -> bool:
@@ -120,6 +121,7 @@ class CompiledRound:
             len(store),
             self.cos,
             self.sin,
+            self.bf16,
         )
         store.length += n
 
@@ -149,6 +151,7 @@ class CompiledRound:
             *self.norm,
             weight.detach(),
             None if bias is None else bias.detach(),
+            self.bf16,
         )
 
     def greedy(
@@ -172,6 +175,7 @@ class CompiledRound:
             self.conf_weight,
             self.conf_bias,
             self.conf_markov,
+            self.bf16,
         )
         return tokens, (conf if self.conf_weight.numel() else None)
 
@@ -203,4 +207,7 @@ def eligible(draft) -> bool:
         and (draft.draft_vocab_ids is not None or is_exact(head))
         and (markov is None or type(markov) is MarkovHead)
         and (conf is None or type(conf) is ConfidenceHead)
+        # one precision for the whole round (the exact mode's float32 GEMM or the exact-bf16 mode's bf16 one)
+        and all(lean_bf16(layer) == is_exact_bf16(draft.fc) for layer in draft.layers)
+        and (draft.draft_vocab_ids is not None or is_exact_bf16(head) == is_exact_bf16(draft.fc))
     )

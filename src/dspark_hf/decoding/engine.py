@@ -51,7 +51,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..kernels import build_exact_kernels, use_kernels
+from ..kernels import EXACT_MODES, build_exact_kernels, use_kernels
 from ..scheduling.policies import ScheduleContext
 from .backends import BackendSetup
 from .caches import SlotKV, SlotRow
@@ -116,7 +116,8 @@ class DSparkEngine:
         sps ([`SPSProfile`], *optional*): the target's SPS profile for hardware-aware policies; measured and
             cached on first use if needed and not given.
         kernels (`str`, *optional*): the CPU kernel mode of the target's (and draft's) forwards, with or
-            without speculation (see `dspark_hf.kernels`): `"stock"`, `"packed"` or `"exact"`. In
+            without speculation (see `dspark_hf.kernels`): `"stock"`, `"packed"`, `"exact"` or `"exact-bf16"`
+            (`"exact"` with every linear on the exact bf16 GEMM; the same guarantee, within that mode). In
             `"exact"` every row of every decoding round is computed exactly as a one-row forward computes it,
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
             same kernels (`dspark_kernels="exact"`), at every prompt length: the exact kernels compute a
@@ -186,7 +187,7 @@ class DSparkEngine:
             call = {"kernels": kernels}
         self.options = resolve_options(self.draft, target, call=call)
         self.policy, self.lookup, kernels = self.options.policy, self.options.lookup, self.options.kernels
-        if kernels == "exact" and layout == "packed":
+        if kernels in EXACT_MODES and layout == "packed":
             raise ValueError(
                 "layout='packed' puts every row in one sequence, whose attention spans every row's past; the "
                 "exact mode runs the padded layout: use layout='padded' or 'auto', or name other kernels "
@@ -194,7 +195,7 @@ class DSparkEngine:
             )
         self.kernels = kernels
         self.cpu_packing = kernels == "packed"
-        if kernels == "exact":
+        if kernels in EXACT_MODES:
             self.layout = "padded"  # one row per request: each request's tokens are its own sequence
             build_exact_kernels()  # now (a minute on first use, then cached), not inside the first request's round
         self._kernel_scope: contextlib.ExitStack | None = None  # the kernel mode, held while there is work

@@ -17,7 +17,7 @@ reconciles an option.
 | `policy` | `dspark_policy` | a policy string or object, see [`resolve_policy`] | `hardware_aware_uniform` for a draft with a calibrated confidence head, else `fixed` |
 | `lookup` | `dspark_lookup` | `True`/`False`, `"on"`/`"off"`, a token count or a [`LookupConfig`] | off |
 | `cuda_graphs` | `dspark_cuda_graphs` | `True`/`False` | on for a CUDA draft |
-| `kernels` | `dspark_kernels` | `"stock"`, `"packed"` or `"exact"` | the kernels package's default for the target |
+| `kernels` | `dspark_kernels` | `"stock"`, `"packed"`, `"exact"` or `"exact-bf16"` | the kernels package's default for the target |
 | `compiled` | `dspark_compiled` | `True`/`False` | on (used where the compiled round is eligible) |
 | `guessed_path` | `dspark_guessed_path` | `True`/`False` | on for a CPU draft |
 

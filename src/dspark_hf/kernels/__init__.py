@@ -1,4 +1,4 @@
-"""The target's CPU backend: kernel modes `"stock"`, `"packed"` and `"exact"`, entered through one door.
+"""The target's CPU backend: kernel modes `"stock"`, `"packed"`, `"exact"` and `"exact-bf16"`, entered through one door.
 
 ```python
 from dspark_hf.kernels import default_kernels, use_kernels
@@ -19,14 +19,15 @@ Every use of transformers' private API goes through `dspark_hf._transformers`.
 """
 
 from .build import build_exact_kernels, exact_kernels_backend, exact_kernels_build
-from .lean import is_lean, lean_arguments
+from .lean import is_lean, lean_arguments, lean_bf16
 from .lean_model import is_lean_model
-from .modes import KERNEL_MODES, check_kernels, default_kernels, exact_family, kernels_of, use_kernels
-from .ops import EXACT_ATTENTION, exact_attention_forward, exact_linear, is_exact, is_exact_norm
+from .modes import EXACT_MODES, KERNEL_MODES, check_kernels, default_kernels, exact_family, kernels_of, use_kernels
+from .ops import EXACT_ATTENTION, exact_attention_forward, exact_linear, is_exact, is_exact_bf16, is_exact_norm
 from .packed import is_packed, pack_linear_weights, packing_available, unpack_linear_weights
 
 __all__ = [
     "EXACT_ATTENTION",
+    "EXACT_MODES",
     "KERNEL_MODES",
     "build_exact_kernels",
     "check_kernels",
@@ -37,12 +38,14 @@ __all__ = [
     "exact_kernels_build",
     "exact_linear",
     "is_exact",
+    "is_exact_bf16",
     "is_exact_norm",
     "is_lean",
     "is_lean_model",
     "is_packed",
     "kernels_of",
     "lean_arguments",
+    "lean_bf16",
     "pack_linear_weights",
     "packing_available",
     "unpack_linear_weights",

@@ -8,6 +8,10 @@
   head's projection) run the same compiled kernels. Only the draft's speed changes: its tokens are verified
   either way.
 
+In the exact-bf16 mode (`exact_kernels(..., bf16=True)`) the same swaps are made with the bf16 GEMM in every
+linear: [`exact_linear_forward_bf16`], [`exact_functional_linear_bf16`] and lean layers whose compiled calls are
+`attn_in_bf16` / `attn_out_bf16` (the layer stack's `stack_run(..., bf16=True)`).
+
 Every swap is an instance-bound method on the module it changes; nothing is written into modules that are not
 swapped, and the block's end removes every swap it made. Models or modules already in the exact mode (an enclosing
 block) are left as they are.
@@ -39,7 +43,9 @@ from .lean_model import lean_model_eligible, make_lean_model, unmake_lean_model
 from .ops import (
     EXACT_ATTENTION,
     exact_functional_linear,
+    exact_functional_linear_bf16,
     exact_linear_forward,
+    exact_linear_forward_bf16,
     exact_norm_forward,
     is_exact,
     is_exact_functional,
@@ -68,7 +74,8 @@ def _draft_norm_eligible(module: nn.Module) -> bool:
 class _Swaps:
     """What one exact block changed, to undo it in [`exact_kernels`]'s `finally`."""
 
-    def __init__(self) -> None:
+    def __init__(self, bf16: bool = False) -> None:
+        self.bf16 = bf16
         self.attention: list[tuple[nn.Module, str]] = []
         self.forwards: list[nn.Module] = []  # linears and draft norms: a replaced `forward`
         self.functional: list[nn.Module] = []
@@ -85,13 +92,14 @@ class _Swaps:
         lean = [m for m in model.modules() if lean_eligible(m)] if compiled and exact_attention else []
         for module in model.modules():
             if linear_eligible(module):
-                module.forward = exact_linear_forward.__get__(module)
+                module.forward = (exact_linear_forward_bf16 if self.bf16 else exact_linear_forward).__get__(module)
                 self.forwards.append(module)
             if isinstance(module, _FUNCTIONAL_OWNERS) and "functional_linear" not in module.__dict__:
-                module.functional_linear = exact_functional_linear.__get__(module)
+                functional = exact_functional_linear_bf16 if self.bf16 else exact_functional_linear
+                module.functional_linear = functional.__get__(module)
                 self.functional.append(module)
         for layer in lean:
-            make_lean(layer, lean_layer_forward)
+            make_lean(layer, lean_layer_forward, bf16=self.bf16)
             self.layers.append(layer)
         for base in [m for m in model.modules() if lean_model_eligible(m)] if lean else []:
             make_lean_model(base)  # then the base model itself (all of its layers lean): one call for all layers
@@ -101,7 +109,7 @@ class _Swaps:
 
     def _apply_draft(self, model: nn.Module) -> None:
         for layer in [m for m in model.modules() if lean_draft_eligible(m)]:
-            make_lean(layer, lean_draft_layer_forward)
+            make_lean(layer, lean_draft_layer_forward, bf16=self.bf16)
             self.layers.append(layer)
         for norm in [m for m in model.modules() if _draft_norm_eligible(m)]:
             norm.forward = exact_norm_forward.__get__(norm)
@@ -123,11 +131,12 @@ class _Swaps:
 
 
 @contextlib.contextmanager
-def exact_kernels(*models: nn.Module | None) -> Iterator[None]:
-    """Run `models` on the exact kernels inside the block, then restore them (the exact mode of `use_kernels`)."""
+def exact_kernels(*models: nn.Module | None, bf16: bool = False) -> Iterator[None]:
+    """Run `models` on the exact kernels inside the block, then restore them (the exact mode of `use_kernels`;
+    with `bf16`, the exact-bf16 mode: every linear on the bf16 GEMM)."""
     backend()  # build (or load) the kernels now, not inside the first forward
     register_attention()
-    swaps = _Swaps()
+    swaps = _Swaps(bf16)
     try:
         for model in models:
             if model is not None:

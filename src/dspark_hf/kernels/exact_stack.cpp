@@ -80,11 +80,14 @@ void stack_free(int64_t handle) {
 // [B, Hkv, capacity, D] per layer, room for past + L positions) each layer appends its keys and values at
 // `past` and attends over the first past + L; without them (empty lists) over its own keys and values only.
 // Returns [output [B, L, W], keys views..., values views..., outputs of the layers in `record` ([B, L, W])].
+// With `bf16` every layer runs attn_in_bf16 / attn_out_bf16 (the linears on the bf16 GEMM), the same calls as the
+// lean layers of the exact-bf16 mode make one by one.
 std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor mask, int64_t batch, int64_t length,
                                      std::vector<torch::Tensor> kbufs, std::vector<torch::Tensor> vbufs,
-                                     int64_t past, std::vector<int64_t> record) {
+                                     int64_t past, std::vector<int64_t> record, bool bf16) {
   const std::shared_ptr<Stack> stack = find_stack(handle);
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
   const int64_t n = static_cast<int64_t>(stack->size());
   const bool cached = !kbufs.empty();
   TORCH_CHECK(!cached || (static_cast<int64_t>(kbufs.size()) == n && static_cast<int64_t>(vbufs.size()) == n),
@@ -93,8 +96,8 @@ std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Ten
   std::vector<torch::Tensor> out(1 + (cached ? 2 * n : 0));
   for (int64_t i = 0; i < n; ++i) {
     const StackLayer& L = (*stack)[i];
-    auto qkv = attn_in(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps, L.k_eps,
-                       cos, sin, batch, length, L.hq, L.hkv);
+    auto qkv = attn_in_impl(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps,
+                            L.k_eps, cos, sin, batch, length, L.hq, L.hkv, precision);
     torch::Tensor k = qkv[1], v = qkv[2];
     if (cached) {
       TORCH_CHECK(kbufs[i].size(2) >= past + length && vbufs[i].size(2) >= past + length,
@@ -106,8 +109,8 @@ std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Ten
       out[1 + i] = k;
       out[1 + n + i] = v;
     }
-    x = attn_out(x, qkv[0], k, v, mask, L.scale, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu, L.wd,
-                 L.bd);
+    x = attn_out_impl(x, qkv[0], k, v, mask, L.scale, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu,
+                      L.wd, L.bd, precision);
     for (int64_t r : record) {
       if (r == i) out.push_back(x.view({batch, length, W}));
     }
@@ -126,11 +129,12 @@ std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Ten
 // Appends n context rows to the draft's per-layer KV buffers: ctx = rms_norm(feats fc_w^T (+ fc_b), hn_w), then for
 // every layer of stack `handle` the keys rope(k_norm(ctx wk^T (+ bk))) and values ctx wv^T (+ bv) at positions
 // length .. length + n - 1, written into kbufs[i] / vbufs[i] ([Hkv, capacity, D]). cos_t / sin_t: [P, D] tables of
-// the draft's rotary embedding by position.
+// the draft's rotary embedding by position. With `bf16` the linears run on the bf16 GEMM (the exact-bf16 mode).
 void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::optional<torch::Tensor> fc_b,
                   torch::Tensor hn_w, double hn_eps, std::vector<torch::Tensor> kbufs, std::vector<torch::Tensor> vbufs,
-                  int64_t length, torch::Tensor cos_t, torch::Tensor sin_t) {
+                  int64_t length, torch::Tensor cos_t, torch::Tensor sin_t, bool bf16) {
   const std::shared_ptr<Stack> stack = find_stack(handle);
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
   const int64_t n = feats.size(0), layers = static_cast<int64_t>(stack->size());
   TORCH_CHECK(static_cast<int64_t>(kbufs.size()) == layers && static_cast<int64_t>(vbufs.size()) == layers,
               "draft_ingest: one keys and one values buffer per layer");
@@ -143,7 +147,7 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
   auto projected = torch::empty({n, W}, feats.options());
   torch::Tensor keep;
   run_linears(feats.data_ptr<float>(), n, feats.size(1),
-              {LinearJob{fc_w, bias_ptr(fc_b, W, keep), nullptr, projected.data_ptr<float>(), W}});
+              {LinearJob{fc_w, bias_ptr(fc_b, W, keep), nullptr, projected.data_ptr<float>(), W}}, precision);
   const torch::Tensor ctx = rms_norm(projected, hn_w, hn_eps);
   const torch::Tensor cos = cos_t.narrow(0, length, n).unsqueeze(0), sin = sin_t.narrow(0, length, n).unsqueeze(0);
   for (int64_t i = 0; i < layers; ++i) {
@@ -154,7 +158,8 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
     torch::Tensor kb_k, kb_v;
     run_linears(ctx.data_ptr<float>(), n, W,
                 {LinearJob{L.wk, bias_ptr(L.bk, L.hkv * D, kb_k), nullptr, k.data_ptr<float>(), L.hkv * D},
-                 LinearJob{L.wv, bias_ptr(L.bv, L.hkv * D, kb_v), nullptr, v.data_ptr<float>(), L.hkv * D}});
+                 LinearJob{L.wv, bias_ptr(L.bv, L.hkv * D, kb_v), nullptr, v.data_ptr<float>(), L.hkv * D}},
+                precision);
     if (L.kn_w.has_value() && L.kn_w->defined()) k = rms_norm(k.reshape({-1, D}), *L.kn_w, L.k_eps);
     k = rope(k.reshape({1, n, L.hkv * D}), cos, sin, L.hkv);  // [1, Hkv, n, D]
     kbufs[i].narrow(1, length, n).copy_(k[0]);
@@ -166,13 +171,14 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
 // length .. length + G - 1; per layer attn_in, the block's keys/values written after the context in the buffers
 // (scratch space: the caller does not count them), every block row attending to the whole context and the whole
 // block (no causal mask), attn_out; then the final norm of the first P rows and the LM head rows head_w [K, W].
-// Returns [hidden [P, W], logits [P, K]].
+// Returns [hidden [P, W], logits [P, K]]. With `bf16` the linears run on the bf16 GEMM (the exact-bf16 mode).
 std::vector<torch::Tensor> draft_block_run(int64_t handle, torch::Tensor embed, int64_t anchor, int64_t mask_id,
                                            int64_t G, std::vector<torch::Tensor> kbufs,
                                            std::vector<torch::Tensor> vbufs, int64_t length, torch::Tensor cos_t,
                                            torch::Tensor sin_t, int64_t P, torch::Tensor norm_w, double norm_eps,
-                                           torch::Tensor head_w, c10::optional<torch::Tensor> head_b) {
+                                           torch::Tensor head_w, c10::optional<torch::Tensor> head_b, bool bf16) {
   const std::shared_ptr<Stack> stack = find_stack(handle);
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
   const int64_t layers = static_cast<int64_t>(stack->size());
   TORCH_CHECK(static_cast<int64_t>(kbufs.size()) == layers && static_cast<int64_t>(vbufs.size()) == layers,
               "draft_block_run: one keys and one values buffer per layer");
@@ -189,14 +195,14 @@ std::vector<torch::Tensor> draft_block_run(int64_t handle, torch::Tensor embed, 
   for (int64_t i = 0; i < layers; ++i) {
     const StackLayer& L = (*stack)[i];
     TORCH_CHECK(kbufs[i].size(1) >= length + G && vbufs[i].size(1) >= length + G, "draft_block_run: no room");
-    auto qkv = attn_in(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps, L.k_eps,
-                       cos, sin, 1, G, L.hq, L.hkv);
+    auto qkv = attn_in_impl(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps,
+                            L.k_eps, cos, sin, 1, G, L.hq, L.hkv, precision);
     kbufs[i].narrow(1, length, G).copy_(qkv[1][0]);
     vbufs[i].narrow(1, length, G).copy_(qkv[2][0]);
     const torch::Tensor k = kbufs[i].narrow(1, 0, length + G).unsqueeze(0);
     const torch::Tensor v = vbufs[i].narrow(1, 0, length + G).unsqueeze(0);
-    x = attn_out(x, qkv[0], k, v, mask, L.scale, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu, L.wd,
-                 L.bd);
+    x = attn_out_impl(x, qkv[0], k, v, mask, L.scale, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu,
+                      L.wd, L.bd, precision);
   }
   const torch::Tensor h = rms_norm(x.narrow(0, 0, P), norm_w, norm_eps);
   TORCH_CHECK(head_w.scalar_type() == at::kFloat && head_w.dim() == 2 && head_w.size(1) == W,
@@ -205,7 +211,7 @@ std::vector<torch::Tensor> draft_block_run(int64_t handle, torch::Tensor embed, 
   auto logits = torch::empty({P, K}, embed.options());
   torch::Tensor keep;
   run_linears(h.data_ptr<float>(), P, W,
-              {LinearJob{head_w, bias_ptr(head_b, K, keep), nullptr, logits.data_ptr<float>(), K}});
+              {LinearJob{head_w, bias_ptr(head_b, K, keep), nullptr, logits.data_ptr<float>(), K}}, precision);
   return {h, logits};
 }
 
@@ -213,10 +219,11 @@ std::vector<torch::Tensor> draft_block_run(int64_t handle, torch::Tensor embed, 
 // without a Markov head), logits_j = base[k, j] + dot(e, w2s[j]), the token is ids[j*] for the first maximal j (j*
 // itself without a subset), and the confidence logit is dot([hidden[k]; e], conf_w) + conf_b (hidden[k] alone when
 // conf_markov is false). The dot products are the linear kernel's. Returns [tokens [P] int64, confidence [P]] (the
-// second empty without conf_w).
+// second empty without conf_w). With `bf16` the dot products are the bf16 GEMM's (the exact-bf16 mode).
 std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidden, int64_t anchor, torch::Tensor w1,
                                          torch::Tensor w2s, torch::Tensor ids, torch::Tensor conf_w,
-                                         c10::optional<torch::Tensor> conf_b, bool conf_markov) {
+                                         c10::optional<torch::Tensor> conf_b, bool conf_markov, bool bf16) {
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
   TORCH_CHECK(base.scalar_type() == at::kFloat && base.dim() == 2, "markov_greedy: base logits [P, K] float32");
   base = base.contiguous();
   hidden = hidden.contiguous();
@@ -250,7 +257,7 @@ std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidde
     if (markov) {
       TORCH_CHECK(0 <= prev && prev < w1.size(0), "markov_greedy: token id out of range");
       e = w1.data_ptr<float>() + prev * r;
-      run_linears(e, 1, r, {LinearJob{w2s, nullptr, nullptr, bias.data(), K}});
+      run_linears(e, 1, r, {LinearJob{w2s, nullptr, nullptr, bias.data(), K}}, precision);
     }
     const float* u = base.data_ptr<float>() + k * K;
     int64_t best = 0;
@@ -269,7 +276,7 @@ std::vector<torch::Tensor> markov_greedy(torch::Tensor base, torch::Tensor hidde
       if (conf_markov) std::memcpy(feature.data() + W, e, r * sizeof(float));
       const int64_t width = W + (conf_markov ? r : 0);
       float z;
-      run_linears(feature.data(), 1, width, {LinearJob{conf_w, cb, nullptr, &z, 1}});
+      run_linears(feature.data(), 1, width, {LinearJob{conf_w, cb, nullptr, &z, 1}}, precision);
       confidence.data_ptr<float>()[k] = z;
     }
     prev = token;

@@ -35,6 +35,13 @@ from .ops import (
 )
 
 _LEAN_ARGS = "_dspark_lean_arguments"  # on a lean layer: its weights and constants, gathered when the mode starts
+_LEAN_BF16 = "_dspark_lean_bf16"  # on a lean layer of the exact-bf16 mode: its linears run on the bf16 GEMM
+
+
+def lean_bf16(layer: nn.Module) -> bool:
+    """Whether a lean layer's compiled calls are the bf16 ones (`attn_in_bf16` / `attn_out_bf16`: the exact-bf16
+    mode)."""
+    return bool(layer.__dict__.get(_LEAN_BF16, False))
 
 
 def lean_arguments(layer: nn.Module) -> tuple[tuple, tuple, tuple] | None:
@@ -115,13 +122,14 @@ def lean_layer_run(self, compiled, hidden_states, mask, cache, cos, sin, kwargs)
     base model's forward, for all layers at once) has checked that they apply; `mask` is a boolean mask or
     `NO_MASK` (causal over the cache)."""
     norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
+    bf16 = self.__dict__.get(_LEAN_BF16, False)
     batch, length, width = hidden_states.shape
     x = hidden_states.reshape(batch * length, width)
     # q [B, Hq, L, D], k and v [B, Hkv, L, D]
-    q, k, v = compiled.attn_in(x, *norm_etc, cos, sin, batch, length, *head_counts)
+    q, k, v = (compiled.attn_in_bf16 if bf16 else compiled.attn_in)(x, *norm_etc, cos, sin, batch, length, *head_counts)
     if cache is not None:
         k, v = tf.grow_dynamic_layer(cache, self.self_attn.layer_idx, k, v, kwargs)
-    x = compiled.attn_out(x, q, k, v, mask, *post_attention)
+    x = (compiled.attn_out_bf16 if bf16 else compiled.attn_out)(x, q, k, v, mask, *post_attention)
     return x.view(batch, length, width)
 
 
@@ -203,19 +211,25 @@ def lean_draft_layer_forward(
     batch, length, width = x.shape
     cos, sin = attn.rotary.cos_sin(positions, x.dtype)  # [B, 1, S, hd]
     norm_etc, head_counts, post_attention = self.__dict__[_LEAN_ARGS]
+    bf16 = self.__dict__.get(_LEAN_BF16, False)
     rows = x.reshape(batch * length, width)
-    q, k, v = compiled.attn_in(rows, *norm_etc, cos[:, 0], sin[:, 0], batch, length, *head_counts)
+    attn_in = compiled.attn_in_bf16 if bf16 else compiled.attn_in
+    q, k, v = attn_in(rows, *norm_etc, cos[:, 0], sin[:, 0], batch, length, *head_counts)
     keys = torch.cat([ctx_keys, k], dim=-2)
     values = torch.cat([ctx_values, v], dim=-2)
     if attention_mask is None:  # the block sees all of its context and itself
         attention_mask = torch.ones(1, 1, 1, keys.shape[-2], dtype=torch.bool)
-    out = compiled.attn_out(rows, q, keys, values, attention_mask, *post_attention)
+    out = (compiled.attn_out_bf16 if bf16 else compiled.attn_out)(
+        rows, q, keys, values, attention_mask, *post_attention
+    )
     return out.view(batch, length, width)
 
 
-def make_lean(layer: nn.Module, forward) -> None:
-    """Swap `layer`'s forward for `forward` (one of the two above), with its compiled calls' arguments."""
+def make_lean(layer: nn.Module, forward, bf16: bool = False) -> None:
+    """Swap `layer`'s forward for `forward` (one of the two above), with its compiled calls' arguments; with `bf16`
+    its linears run on the bf16 GEMM (`attn_in_bf16` / `attn_out_bf16`, the exact-bf16 mode)."""
     layer.__dict__[_LEAN_ARGS] = _gather_arguments(layer)
+    layer.__dict__[_LEAN_BF16] = bool(bf16)
     layer.forward = forward.__get__(layer)
 
 
@@ -224,6 +238,7 @@ def unmake_lean(layer: nn.Module) -> None:
     if is_lean(layer):
         del layer.forward
     layer.__dict__.pop(_LEAN_ARGS, None)
+    layer.__dict__.pop(_LEAN_BF16, None)
 
 
 def is_lean(layer: nn.Module) -> bool:

@@ -23,11 +23,12 @@ from torch import nn
 import dspark_hf._transformers as tf
 
 from .build import backend
-from .lean import is_lean, lean_arguments, lean_layer_forward, lean_layer_run
+from .lean import is_lean, lean_arguments, lean_bf16, lean_layer_forward, lean_layer_run
 from .ops import EXACT_ATTENTION, NO_MASK, bool_mask, replaced_forward
 
 _LEAN_MODEL_PARAMETERS = ("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
-_LEAN_STACK = "_dspark_lean_stack"  # on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)])
+# on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)], bf16: the layers' linears on the bf16 GEMM)
+_LEAN_STACK = "_dspark_lean_stack"
 
 
 def lean_model_eligible(model: nn.Module) -> bool:
@@ -160,11 +161,13 @@ def make_lean_model(model: nn.Module) -> None:
     model.forward = lean_model_forward.__get__(model)
     compiled = backend()
     handle, entries = 0, []
-    for layer in itertools.islice(model.layers, model.config.num_hidden_layers):
+    layers = list(itertools.islice(model.layers, model.config.num_hidden_layers))
+    bf16 = lean_bf16(layers[0])  # one `use_kernels` block makes all of a model's layers lean at one precision
+    for layer in layers:
         norm_etc, head_counts, post_attention = lean_arguments(layer)
         handle = compiled.stack_add_layer(handle, *norm_etc, *head_counts, *post_attention)
         entries.append((layer, layer.self_attn.layer_idx, head_counts[1], layer.self_attn.head_dim))
-    model.__dict__[_LEAN_STACK] = (handle, entries)
+    model.__dict__[_LEAN_STACK] = (handle, entries, bf16)
 
 
 def unmake_lean_model(model: nn.Module) -> None:
@@ -199,7 +202,7 @@ def _run_stack(stack, compiled, hidden_states, mask, cache, cos, sin) -> torch.T
     values written into the cache's buffers, `attn_out`), the same calls as `lean_layer_run` layer by layer, so
     the output and the cache are bit-identical. Returns `None` (run layer by layer instead) for a hook the stack
     cannot serve or a cache that cannot take the new positions in place."""
-    handle, entries = stack
+    handle, entries, bf16 = stack
     hooked = _stack_hooks(entries)
     if hooked is None:
         return None
@@ -215,7 +218,7 @@ def _run_stack(stack, compiled, hidden_states, mask, cache, cos, sin) -> torch.T
             past = room[3]
     keys, values = [room[1] for room in rooms], [room[2] for room in rooms]
     flat = hidden_states.reshape(batch * length, width)
-    out = compiled.stack_run(handle, flat, cos, sin, mask, batch, length, keys, values, past, record)
+    out = compiled.stack_run(handle, flat, cos, sin, mask, batch, length, keys, values, past, record, bf16)
     n = len(rooms)
     for i, (layer, keys_buffer, values_buffer, _) in enumerate(rooms):
         tf.hold_dynamic_layer(layer, keys_buffer, values_buffer, out[1 + i], out[1 + n + i])

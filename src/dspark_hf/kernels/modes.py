@@ -13,6 +13,17 @@ depends on the kernels that forward runs on:
   floating-point operations as a one-row forward (`dspark_hf.kernels.ops`, `dspark_hf.kernels.lean`).
   Speculative decoding in this mode is token-identical to plain decoding *in the same mode* by construction
   (greedy), and samples from exactly the distribution plain decoding in this mode samples from.
+- `"exact-bf16"`: `"exact"` with every linear layer of the target and of the draft (the q/k/v/o and MLP
+  projections, the LM head, the draft's context projection and heads) on the exact bf16 GEMM: each linear rounds
+  its input row and its weight to bfloat16 (round to nearest even) and sums the exact bf16 products in float32,
+  in one fixed order per output element (`exact_linear(..., bf16=True)`, `attn_in_bf16` / `attn_out_bf16`). The
+  model stays float32, and so do the activations between linears, the KV cache, the norms, the rotation,
+  attention and sampling. It is batch-invariant like `"exact"`, so speculative decoding in this mode is
+  token-identical to plain decoding *in this mode* by construction (greedy) and samples from exactly plain
+  decoding's distribution in this mode. It is *not* identical to `"exact"` or to any float32 decoding: rounding
+  weights and activations to bf16 at every linear changes the logits (by about bf16's relative precision, 2^-8),
+  so near-ties, and from there whole continuations, can differ from float32 decoding. Opt in by name; never the
+  default.
 
 The mode reaches the models through [`use_kernels`] only, for the duration of a `with` block: no process-wide
 setting, no environment variable. [`default_kernels`] is the mode the library picks when nobody names one.
@@ -29,10 +40,12 @@ from torch import nn
 import dspark_hf._transformers as tf
 
 from .exact import exact_kernels
-from .ops import EXACT_ATTENTION, is_exact
+from .ops import EXACT_ATTENTION, is_exact, is_exact_bf16
 from .packed import is_packed, packed_linears, packing_available
 
-KERNEL_MODES = ("stock", "packed", "exact")
+KERNEL_MODES = ("stock", "packed", "exact", "exact-bf16")
+#: The batch-invariant modes (the exact kernels, float32 or bf16 GEMM).
+EXACT_MODES = ("exact", "exact-bf16")
 
 
 def check_kernels(mode: str) -> str:
@@ -72,15 +85,13 @@ def default_kernels(target: nn.Module) -> str:
 
 
 def kernels_of(model: nn.Module) -> str:
-    """Which mode `model` currently runs in: `"exact"`, `"packed"` or `"stock"`."""
-    if tf.attn_implementation(model) == EXACT_ATTENTION:
-        return "exact"
+    """Which mode `model` currently runs in: `"exact"`, `"exact-bf16"`, `"packed"` or `"stock"`."""
     for module in model.modules():
         if is_exact(module):
-            return "exact"
+            return "exact-bf16" if is_exact_bf16(module) else "exact"
         if is_packed(module):
             return "packed"
-    return "stock"
+    return "exact" if tf.attn_implementation(model) == EXACT_ATTENTION else "stock"
 
 
 def _flat(models) -> list[nn.Module]:
@@ -108,8 +119,9 @@ def use_kernels(*models: nn.Module | None, mode: str | None = None) -> Iterator[
 
     Args:
         *models (`nn.Module`, or lists of them): the models to switch (`None` entries are skipped).
-        mode (`str`, keyword only, required): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights) or `"exact"`
-            (batch-invariant kernels); see the module docs, and [`default_kernels`] for the library's default.
+        mode (`str`, keyword only, required): `"stock"` (leave them as they are), `"packed"` (oneDNN packed linear weights), `"exact"`
+            (batch-invariant kernels) or `"exact-bf16"` (the same with every linear on the exact bf16 GEMM: not
+            float32 output); see the module docs, and [`default_kernels`] for the library's default.
 
     Yields the mode. On a model whose weights are not on the CPU the exact and packed modes change nothing
     (their kernels are CPU kernels).
@@ -134,5 +146,5 @@ def use_kernels(*models: nn.Module | None, mode: str | None = None) -> Iterator[
         with packed_linears(*flat, enabled=packing_available()):
             yield mode
     else:
-        with exact_kernels(*flat):
+        with exact_kernels(*flat, bf16=mode == "exact-bf16"):
             yield mode

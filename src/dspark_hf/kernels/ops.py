@@ -106,9 +106,26 @@ def exact_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return exact_linear(x, self.weight, self.bias)
 
 
+def exact_linear_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An `nn.Linear`'s forward in the exact-bf16 mode: [`exact_linear_forward`] on the bf16 GEMM
+    (`exact_linear(..., bf16=True)`: x and the weight rounded to bfloat16, float32 sums, float32 out)."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype != self.weight.dtype
+        or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+    ):
+        return nn.Linear.forward(self, x)
+    return exact_linear(x, self.weight, self.bias, bf16=True)
+
+
 def is_exact(module: nn.Module) -> bool:
-    """Whether `module` (an `nn.Linear`) currently runs on the exact kernel."""
-    return replaced_forward(module) is exact_linear_forward
+    """Whether `module` (an `nn.Linear`) currently runs on an exact kernel (float32 or bf16 GEMM)."""
+    return replaced_forward(module) in (exact_linear_forward, exact_linear_forward_bf16)
+
+
+def is_exact_bf16(module: nn.Module) -> bool:
+    """Whether `module` (an `nn.Linear`) currently runs on the exact bf16 GEMM (the exact-bf16 mode)."""
+    return replaced_forward(module) is exact_linear_forward_bf16
 
 
 def exact_functional_linear(
@@ -127,9 +144,18 @@ def exact_functional_linear(
     return exact_linear(x, weight, bias)
 
 
+def exact_functional_linear_bf16(
+    self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[`exact_functional_linear`] on the bf16 GEMM (the exact-bf16 mode)."""
+    if _off_the_kernels(x, weight):
+        return F.linear(x, weight, bias)
+    return exact_linear(x, weight, bias, bf16=True)
+
+
 def is_exact_functional(module: nn.Module) -> bool:
-    """Whether a draft module's `functional_linear` currently runs on the exact kernel."""
-    return replaced_forward(module, "functional_linear") is exact_functional_linear
+    """Whether a draft module's `functional_linear` currently runs on an exact kernel (float32 or bf16 GEMM)."""
+    return replaced_forward(module, "functional_linear") in (exact_functional_linear, exact_functional_linear_bf16)
 
 
 # ---------------------------------------------------------------------------------------------- the draft's norm

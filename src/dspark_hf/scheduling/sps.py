@@ -183,7 +183,7 @@ def stale_reason(
     for name, version in _versions().items():
         if meta.get(name) != version:
             return f"measured with {name} {meta.get(name)}, this is {version}"
-    if meta.get("kernels") == "exact":
+    if meta.get("kernels") in ("exact", "exact-bf16"):
         build = exact_kernels_build()
         if meta.get("kernels_build") != build:
             return f"measured on another build of the exact kernels ({meta.get('kernels_build')}, this is {build})"
@@ -270,7 +270,7 @@ def profile_sps(
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "measured_at_epoch": time.time(),
     }
-    if meta["kernels"] == "exact":
+    if meta["kernels"] in ("exact", "exact-bf16"):
         meta["kernels_build"] = exact_kernels_build()
     if monotone:
         meta["raw_seconds"] = raw

@@ -43,7 +43,7 @@ def load_app(
         dtype (`str` or `torch.dtype`, *optional*): weights' dtype (default fp32).
         device (`str`, *optional*): e.g. `"cuda"` (default: the CPU).
         config ([`ServeConfig`], *optional*): limits and identity; `model_name` defaults to the target's name.
-        kernels (`str`, *optional*): the engine's kernel mode (`"stock"`, `"packed"`, `"exact"`, see
+        kernels (`str`, *optional*): the engine's kernel mode (`"stock"`, `"packed"`, `"exact"`, `"exact-bf16"`, see
             `dspark_hf.kernels`), with or without speculation (library default: `default_kernels(target)`).
         lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]).
         cuda_graphs (`bool`, *optional*): the draft step as a CUDA graph (see [`DSparkEngine`]).
