@@ -106,10 +106,10 @@ class DSparkEngine:
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.
         max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per round, over
-            all prefilling requests (oldest first; a longer prompt is prefilled in chunks over several rounds).
-            It bounds how long one round's prefill holds up the decoding requests (their inter-token latency
-            under load) at the price of more rounds until a long prompt's first token; any value gives the
-            same output.
+            all prefilling requests (oldest first; padding included; a longer prompt is prefilled in chunks over
+            several rounds). It bounds how long one round's prefill holds up the decoding requests (their
+            inter-token latency under load) at the price of more rounds until a long prompt's first token; any
+            value gives the same output.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
             `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
             `dspark_hf.decoding.target_forward` and `docs/engine.md` for which is faster where).
@@ -432,21 +432,23 @@ class DSparkEngine:
 
     def _prefill(self, reqs: list[Request], events: list[StreamEvent]) -> None:
         """One chunk of prefill: the prefilling requests' next prompt tokens, oldest request first, at most
-        `max_prefill_tokens` in all, in ONE target forward over their cached chunks so far (each chunk attends to
-        its request's committed keys and causally to itself, as the one-shot prefill of the prompt would). A
-        request whose last chunk this is gets its first token."""
+        `max_prefill_tokens` in all (counting the padding of a padded forward), in ONE target forward over their
+        cached chunks so far (each chunk attends to its request's committed keys and causally to itself, as the
+        one-shot prefill of the prompt would). A request whose last chunk this is gets its first token."""
         start = time.perf_counter()
-        budget, rows, chunks = self.max_prefill_tokens, [], []
-        # a padded forward computes every row as long as its longest: no row gets a longer chunk than the first
-        widest = budget if self.layout == "packed" else None
+        budget, rows, chunks, width = self.max_prefill_tokens, [], [], 0
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
-            n = min(len(req.prompt) - req.prefilled, budget, widest or budget)
+            if self.layout == "packed":
+                n = min(len(req.prompt) - req.prefilled, budget - sum(map(len, chunks)))
+            else:  # a padded forward computes every row as long as its longest: rows x width within the budget
+                n = min(len(req.prompt) - req.prefilled, budget // (len(rows) + 1))
+                if (len(rows) + 1) * width > budget:
+                    break
             if n <= 0:
                 break
             rows.append(req)
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
-            budget -= n
-            widest = widest or n
+            width = max(width, n)
         out = ragged_target_forward(
             self.target, [r.kv for r in rows], chunks, [[len(c) - 1] for c in chunks], self.layer_ids, self.layout,
             self._linear_cost,
