@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..model.runs import last_generation_stats
-from .methods import PLAIN, PLAIN_EXACT, PLAIN_ON, PLAIN_PACKED, PROMPT_LOOKUP, TASK_METRICS
+from .methods import PLAIN, PLAIN_EXACT, PLAIN_EXACT_BF16, PLAIN_ON, PLAIN_PACKED, PROMPT_LOOKUP, TASK_METRICS
 from .plots import MIN_CURVE_ROUNDS
 from .prompt_sets import EVAL_SETS, PromptItem, load_prompt_set
 from .report import EvalReport, PromptRun, quality_checks
@@ -28,6 +28,7 @@ __all__ = [
     "MIN_CURVE_ROUNDS",
     "PLAIN",
     "PLAIN_EXACT",
+    "PLAIN_EXACT_BF16",
     "PLAIN_ON",
     "PLAIN_PACKED",
     "PROMPT_LOOKUP",
@@ -167,7 +168,8 @@ def _check_arguments(target, drafts: Mapping, repeats, max_new_tokens, temperatu
     if not drafts or reserved:
         raise ValueError(
             f"Got drafts named {sorted(drafts)}; pass at least one draft, and none named {PLAIN!r}, "
-            f"{PLAIN_PACKED!r}, {PLAIN_EXACT!r} or {PROMPT_LOOKUP!r} (those names are the baselines)."
+            f"{PLAIN_PACKED!r}, {PLAIN_EXACT!r}, {PLAIN_EXACT_BF16!r} or {PROMPT_LOOKUP!r} (those names are the "
+            "baselines)."
         )
     if repeats < 1 or max_new_tokens < 1 or any(t < 0 for t in temperatures):
         raise ValueError(

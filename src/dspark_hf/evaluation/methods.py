@@ -11,8 +11,11 @@ PLAIN_PACKED = "plain_packed"
 #: Plain `generate()` on the exact kernels: the same-kernels baseline of a `kernels="exact"` evaluation
 #: (`speedup_vs_exact`), and the run speculative greedy output is identical to by construction.
 PLAIN_EXACT = "plain_exact"
+#: Plain `generate()` in the exact-bf16 mode (every linear on the exact bf16 GEMM): the same-kernels baseline of a
+#: `kernels="exact-bf16"` evaluation, and the run its speculative greedy output is identical to by construction.
+PLAIN_EXACT_BF16 = "plain_exact_bf16"
 #: The baseline method that runs plain `generate()` on each kernel mode other than stock.
-PLAIN_ON = {"packed": PLAIN_PACKED, "exact": PLAIN_EXACT}
+PLAIN_ON = {"packed": PLAIN_PACKED, "exact": PLAIN_EXACT, "exact-bf16": PLAIN_EXACT_BF16}
 #: Sets with a task metric: GSM8K answer accuracy and HumanEval pass@1.
 TASK_METRICS = {"gsm8k": ("gsm8k_accuracy", "accuracy"), "humaneval": ("humaneval_pass_at_1", "pass@1")}
 
@@ -21,6 +24,7 @@ _LABELS = {
     PROMPT_LOOKUP: "prompt lookup",
     PLAIN_PACKED: "plain (packed)",
     PLAIN_EXACT: "plain (exact kernels)",
+    PLAIN_EXACT_BF16: "plain (exact-bf16 kernels)",
 }
 
 
