@@ -28,7 +28,7 @@ from dspark_hf.decoding import options as options_module
 from dspark_hf.decoding.generation import DSparkCandidateGenerator
 from dspark_hf.decoding.lookup import LookupConfig
 from dspark_hf.decoding.options import OPTION_NAMES, SpeculationOptions, resolve_options
-from dspark_hf.scheduling.policies import FixedPolicy
+from dspark_hf.scheduling.policies import FixedPolicy, UniformHardwareAwarePolicy
 
 from helpers import make_aligned_draft, make_target
 
@@ -325,7 +325,7 @@ def test_the_shipped_draft_runs_one_policy_and_lookup_in_every_driver(monkeypatc
     in_generate = resolved[-1]
     engine = DSparkEngine(target, draft, tokenizer)
     served = load_app().state.server.engine
-    recorded = (FixedPolicy(4), LookupConfig())  # the card's one policy and lookup setting (generation_config.json)
+    recorded = (UniformHardwareAwarePolicy(), LookupConfig())  # the card's one policy and lookup setting (generation_config.json)
     for options in (in_generate, engine.options, served.options):
         assert (options.policy, options.lookup) == recorded
         assert options == in_generate
