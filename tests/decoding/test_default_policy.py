@@ -53,8 +53,8 @@ def test_fixed_policies_never_decline(monkeypatch, policy):
 
 
 def test_a_drafts_recorded_default_policy_applies_when_the_call_names_none(monkeypatch):
-    """The draft's recorded `dspark_policy` (its `generation_config.json`: what the shipped drafts record as
-    measured fastest for them) is used when neither the call nor its generation config names a policy; a policy
+    """The draft's recorded `dspark_policy` (its `generation_config.json`, as the shipped drafts record theirs)
+    is used when neither the call nor its generation config names a policy; a policy
     named in the call still wins."""
     monkeypatch.setattr(sps, "get_sps_profile", lambda target, **kw: sps.SPSProfile(STEEP))
     target = make_target("llama", markov=True)

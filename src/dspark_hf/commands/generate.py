@@ -159,7 +159,7 @@ def _print_options(args, draft, options, stats) -> None:
     if args.policy not in (None, "default"):
         chosen = "--policy"
     elif getattr(defaults, "dspark_policy", None):
-        chosen = "the draft's recorded default, measured fastest for it on the evaluation"
+        chosen = "the draft's recorded default (its generation_config.json)"
     else:
         chosen = "the library default for this draft"
     print(f"policy: {options.policy.name} ({chosen}; {stats.policy})")
