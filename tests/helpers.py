@@ -233,3 +233,41 @@ def sampled_workload_with_distractors(
             prompts.append(list(prompt))
             params.append(SamplingParams(max_new_tokens=max_new_tokens, do_sample=True))
     return prompts, params, scored
+
+
+def record_committed_logits(engine) -> dict:
+    """Wrap `engine._accept` to record, per request id, the target's logits of every committed row of a round (the
+    anchor's and the accepted drafts': what plain decoding computes); returns the dict it fills."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    accept = engine._accept
+
+    def recording(reqs, block, drafted, lengths, target_logits, **kwargs):
+        outcomes = accept(reqs, block, drafted, lengths, target_logits, **kwargs)
+        for i, req in enumerate(reqs):
+            rows.setdefault(req.rid, []).extend(target_logits[i][: outcomes[i][0] + 1].clone().unbind(0))
+        return outcomes
+
+    engine._accept = recording
+    return rows
+
+
+def run_joining(engine, work, first: int = 0, after_step=None) -> tuple[list[int], dict]:
+    """Submit the first `first` requests of `work` (`(prompt, max_new_tokens)` pairs), then one more before every
+    round, until every request has finished; `after_step(engine)` runs after every round. Returns the request ids
+    in submission order and the finished outputs by id."""
+    from dspark_hf import SamplingParams
+
+    pending, ids, outputs = list(work), [], {}
+    for prompt, m in pending[:first]:
+        ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
+    pending = pending[first:]
+    while engine.has_unfinished() or pending:
+        if pending:
+            prompt, m = pending.pop(0)
+            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
+        for ev in engine.step():
+            if ev.finished:
+                outputs[ev.request_id] = ev.output
+        if after_step is not None:
+            after_step(engine)
+    return ids, outputs

@@ -23,7 +23,7 @@ from dspark_hf._transformers import forward_with_features
 from dspark_hf.decoding.caches import KVStore, SlotKV
 from dspark_hf.kernels import build, kernels_of, use_kernels
 
-from helpers import make_aligned_draft, make_target
+from helpers import make_aligned_draft, make_target, record_committed_logits, run_joining
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -66,8 +66,7 @@ def _run(engine, work, checks=None):
     """Two requests first, then one joining before every round. Per request: tokens, the logits of its first token
     (its last prefill chunk's) and of every committed row after it; `checks(engine)` runs after every round."""
     prefill_logits: dict[int, torch.Tensor] = {}
-    rows: dict[int, list[torch.Tensor]] = {}
-    forward, accept = engine_module.ragged_target_forward, engine._accept
+    forward = engine_module.ragged_target_forward
 
     def recording_forward(target, stores, new_tokens, keep, *args, **kwargs):
         out = forward(target, stores, new_tokens, keep, *args, **kwargs)
@@ -77,28 +76,10 @@ def _run(engine, work, checks=None):
                 prefill_logits[req.rid] = logits[-1].clone()
         return out
 
-    def recording_accept(reqs, block, drafted, lengths, target_logits, **kwargs):
-        outcomes = accept(reqs, block, drafted, lengths, target_logits, **kwargs)
-        for i, req in enumerate(reqs):
-            rows.setdefault(req.rid, []).extend(target_logits[i][: outcomes[i][0] + 1].clone().unbind(0))
-        return outcomes
-
-    engine._accept = recording_accept
+    rows = record_committed_logits(engine)
     engine_module.ragged_target_forward = recording_forward
     try:
-        pending, ids, outputs = list(work), [], {}
-        for prompt, m in pending[:2]:
-            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
-        pending = pending[2:]
-        while engine.has_unfinished() or pending:
-            if pending:
-                prompt, m = pending.pop(0)
-                ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
-            for ev in engine.step():
-                if ev.finished:
-                    outputs[ev.request_id] = ev.output
-            if checks is not None:
-                checks(engine)
+        ids, outputs = run_joining(engine, work, first=2, after_step=checks)
     finally:
         engine_module.ragged_target_forward = forward
     return [(outputs[i].token_ids, prefill_logits.get(i), rows.get(i, [])) for i in ids]

@@ -17,7 +17,7 @@ import torch
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.kernels import is_lean, kernels_of
 
-from helpers import make_aligned_draft, make_target
+from helpers import make_aligned_draft, make_target, record_committed_logits, run_joining
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,25 +39,8 @@ def _workload(n: int = 7, seed: int = 5):
 
 def _engine_logits(engine, work):
     """Run `work` with a request joining before every round; per request, the committed rows' target logits."""
-    rows: dict[int, list[torch.Tensor]] = {}
-    accept = engine._accept
-
-    def recording(reqs, block, drafted, lengths, target_logits, **kwargs):
-        outcomes = accept(reqs, block, drafted, lengths, target_logits, **kwargs)
-        for i, req in enumerate(reqs):
-            n = outcomes[i][0]  # the anchor's row and the accepted drafts' rows are what plain decoding computes
-            rows.setdefault(req.rid, []).extend(target_logits[i][: n + 1].clone().unbind(0))
-        return outcomes
-
-    engine._accept = recording
-    ids, pending, outputs = [], list(work), {}
-    while engine.has_unfinished() or pending:
-        if pending:
-            prompt, m = pending.pop(0)
-            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
-        for ev in engine.step():
-            if ev.finished:
-                outputs[ev.request_id] = ev.output
+    rows = record_committed_logits(engine)
+    ids, outputs = run_joining(engine, work)
     return [(outputs[i].token_ids, rows.get(i, [])) for i in ids]
 
 

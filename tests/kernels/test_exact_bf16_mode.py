@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from dspark_hf import DSparkEngine, SamplingParams, last_generation_stats
+from dspark_hf import DSparkEngine, last_generation_stats
 from dspark_hf.decoding.compiled import CompiledRound
 from dspark_hf.kernels import (
     KERNEL_MODES,
@@ -34,7 +34,7 @@ from dspark_hf.kernels import (
     use_kernels,
 )
 
-from helpers import make_aligned_draft, make_target, randomize
+from helpers import make_aligned_draft, make_target, randomize, record_committed_logits, run_joining
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -122,27 +122,16 @@ def _engine_run(target, draft, policy: str, work):
     """Every request of `work` through one engine (one joining before every round): tokens and the target's logits
     of each committed row."""
     engine = DSparkEngine(target, draft, policy=policy, max_batch_size=8, kernels=MODE)
-    rows: dict[int, list[torch.Tensor]] = {}
-    accept = engine._accept
+    rows = record_committed_logits(engine)
+    busiest = 0
 
-    def recording(reqs, block, drafted, lengths, target_logits, **kwargs):
-        outcomes = accept(reqs, block, drafted, lengths, target_logits, **kwargs)
-        for i, req in enumerate(reqs):
-            rows.setdefault(req.rid, []).extend(target_logits[i][: outcomes[i][0] + 1].clone().unbind(0))
-        return outcomes
-
-    engine._accept = recording
-    ids, pending, outputs, busiest = [], list(work), {}, 0
-    while engine.has_unfinished() or pending:
-        if pending:
-            prompt, m = pending.pop(0)
-            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=m)))
-        for ev in engine.step():
-            if ev.finished:
-                outputs[ev.request_id] = ev.output
+    def check(engine):
+        nonlocal busiest
         busiest = max(busiest, len(engine._active))
         if engine.has_unfinished():
             assert kernels_of(target) == MODE
+
+    ids, outputs = run_joining(engine, work, after_step=check)
     assert busiest >= 3  # several requests were decoded together
     assert kernels_of(target) == "stock"  # given back when idle
     return [(outputs[i].token_ids, rows.get(i, [])) for i in ids]
