@@ -11,14 +11,15 @@
 //    and the ISA change which chains run together, never the operations of one (the packed GEMM below).
 //    linear_bf16 (and attn_in_bf16 / attn_out_bf16): the same with x and w rounded to bfloat16, one chain of
 //    vdpbf16ps steps over the k pairs per element (the bf16 GEMM below), bit-identical on its portable kernel.
-//  * attention: per (batch, head, query) the scores of the visible keys (a dot product over D in chunks of 8 floats
-//    into one 8-lane accumulator, a zero-padded last chunk, then a fixed horizontal sum of the 8 lanes), their maximum,
-//    exp(s - max) with the C library's expf, the denominator summed over visible keys in ascending order, and
-//    the weighted sum of values accumulated key by key in ascending order. Keys a query may not see are
-//    skipped, so a query that sees the first L keys gets the same result whether the cache holds L or more, and
-//    whatever other queries share the call: a prefill of any length, in one call or in chunks, computes each
-//    query as decoding does. Queries are scored in groups of four against four keys at a time (one accumulator
-//    per pair), which reads each key once per group instead of once per query.
+//  * attention: per (batch, head, query) the scores of the visible keys (a dot product over D as 16 lane chains of
+//    fmas, then a fixed tree over the 16 lanes), their maximum, exp(s - max) by a fixed polynomial of our own
+//    (exp_weight: one sequence of operations per element, vectorised or not), the denominator summed over visible
+//    keys in ascending order, and the weighted sum of values accumulated key by key in ascending order. Keys a
+//    query may not see are skipped, so a query that sees the first L keys gets the same result whether the cache
+//    holds L or more, and whatever other queries share the call: a prefill of any length, in one call or in
+//    chunks, computes each query as decoding does. Queries that share a key/value head (GQA heads and up to four
+//    positions) share the loads of the keys and values. attention_segments: the same per query for packed rows of
+//    many sequences, each over its own KV slot (the engine's unpadded forwards).
 //
 //  * rms_norm, rope, silu_mul: the per-row steps of a decoder layer, for the exact mode's lean layer path.
 //
@@ -27,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -583,69 +585,285 @@ int64_t pack_release() {
   return total;
 }
 
-// The weighted sum of one query's values: over its visible keys j < jend in ascending order, p = exp(score - mx),
-// denom += p and acc[d] = fma(p, v[j, d], acc[d]) for every d, then out[d] = acc[d] / denom. Every d is its own chain
-// (a vector lane), so the vector width does not change a bit of it: NV vectors of GV lanes held in registers when the
-// head dimension is NV * GV (64 or 128 on AVX-512), else (NV = 0) 8-lane vectors with a zero-padded tail in memory.
-template <int NV>
-inline void weighted_values(const float* scores, const char* seen, int64_t jend, float mx, const float* vb,
-                            int64_t vstride, int64_t D, float* oi) {
-  float denom = 0.f;
-  if constexpr (NV > 0) {
-    gvec acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = gzero();
-    for (int64_t j = 0; j < jend; ++j) {
-      if (!seen[j]) continue;
-      const float p = std::exp(scores[j] - mx);
-      denom = denom + p;
-      const gvec pv = gset1(p);
-      const float* vj = vb + j * vstride;
-      for (int c = 0; c < NV; ++c) acc[c] = gfma(pv, gload(vj + c * GV), acc[c]);
-    }
-    alignas(64) float tmp[GV];
-    for (int c = 0; c < NV; ++c) {
-      gstore(tmp, acc[c]);
-      for (int l = 0; l < GV; ++l) oi[c * GV + l] = tmp[l] / denom;
-    }
-  } else {
-    const int64_t dv = (D + 7) / 8;
-    vec8 acc[64];
-    for (int64_t c = 0; c < dv; ++c) acc[c] = vzero();
-    for (int64_t j = 0; j < jend; ++j) {
-      if (!seen[j]) continue;
-      const float p = std::exp(scores[j] - mx);
-      denom = denom + p;
-      const float* vj = vb + j * vstride;
-#ifdef DSPARK_AVX2
-      const vec8 pv = _mm256_set1_ps(p);
-#else
-      vec8 pv;
-      for (int l = 0; l < 8; ++l) pv.v[l] = p;
-#endif
-      for (int64_t c = 0; c < dv; ++c) {
-        const int64_t d0 = c * 8;
-        const vec8 vv = (d0 + 8 <= D) ? vload(vj + d0) : vload_tail(vj + d0, D - d0);
-        acc[c] = vfma(pv, vv, acc[c]);
-      }
-    }
-    alignas(32) float tmp[8];
-    for (int64_t c = 0; c < dv; ++c) {
-      vstore(tmp, acc[c]);
-      const int64_t d0 = c * 8;
-      for (int64_t l = 0; l < 8 && d0 + l < D; ++l) oi[d0 + l] = tmp[l] / denom;
+// ------------------------------------------------------------------------------------------- attention
+// A query's raw score against a key over the head dimension D: 16 partial sums, lane l the fma chain over
+// d = l, l + 16, l + 32, ... in ascending order (a zero-padded last chunk), then one fixed tree over the 16 lanes:
+// u[l] = p[l] + p[l + 8], v[l] = u[l] + u[l + 4], w[l] = v[l] + v[l + 2], score = w[0] + w[1]. The AVX-512 build
+// reduces 16 keys' lanes at once with shuffles that add the same pairs; other builds run the chains and the tree
+// lane by lane: the same operations, so the same bits on every ISA.
+inline float tree16(const float* p) {
+  float u[8], v[4], w[2];
+  for (int l = 0; l < 8; ++l) u[l] = p[l] + p[l + 8];
+  for (int l = 0; l < 4; ++l) v[l] = u[l] + u[l + 4];
+  for (int l = 0; l < 2; ++l) w[l] = v[l] + v[l + 2];
+  return w[0] + w[1];
+}
+
+// exp of an attention weight's argument (x = score - max <= 0): x clamped to [-87.33654, 88], n = nearest integer
+// to x * log2(e) (ties to even), r = x - n * ln2 in two fma steps (ln2 = 0.693359375 - 2.12194440e-4), a degree-5
+// polynomial by Horner's fma chain, y = fma(poly, r * r, r) + 1, times 2^n (built in the exponent bits). About
+// 2 ulp from exp; its value depends on x alone, one fixed sequence of operations, on every ISA and lane.
+constexpr float kExpLo = -87.33654f, kExpHi = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500e-4f, kExpP1 = 1.3981999507e-3f, kExpP2 = 8.3334519073e-3f;
+constexpr float kExpP3 = 4.1665795894e-2f, kExpP4 = 1.6666665459e-1f, kExpP5 = 5.0000001201e-1f;
+
+inline float exp_weight(float x) {
+  x = x > kExpLo ? x : kExpLo;  // (NaN -> kExpLo, as the vector max below)
+  x = x < kExpHi ? x : kExpHi;
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpP0;
+  p = std::fma(p, r, kExpP1);
+  p = std::fma(p, r, kExpP2);
+  p = std::fma(p, r, kExpP3);
+  p = std::fma(p, r, kExpP4);
+  p = std::fma(p, r, kExpP5);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp_weight16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP5));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// 16 keys' partial sums (acc[kk]: key kk's 16 lanes) -> their 16 scores in key order, each by tree16's additions:
+// the first step adds lanes l and l + 8 of keys m and m + 8 in one vector, the next l and l + 4, and so on; the
+// lanes come out in the order (0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), which the last permute undoes.
+inline __m512 reduce_keys16(const __m512* a) {
+  __m512 p[8], q[4], r[2];
+  for (int m = 0; m < 8; ++m)
+    p[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[m], a[m + 8], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[m], a[m + 8], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)
+    q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p[m], p[m + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p[m], p[m + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)
+    r[m] = _mm512_add_ps(_mm512_shuffle_ps(q[m], q[m + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(q[m], q[m + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+// Raw scores of one query against keys 0 .. n - 1 (key j at kb + j * kstride), C = D / 16 chunks held in registers.
+template <int C>
+inline void score_keys16(const float* q, const float* kb, int64_t kstride, int64_t n, float* out) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 acc[16];
+    for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
+    const float* k0 = kb + j0 * kstride;
+    if (m == 16) {
+      for (int c = 0; c < C; ++c)
+        for (int kk = 0; kk < 16; ++kk)
+          acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * kstride + 16 * c), acc[kk]);
+      _mm512_storeu_ps(out + j0, reduce_keys16(acc));
+    } else {
+      for (int c = 0; c < C; ++c)
+        for (int kk = 0; kk < m; ++kk)
+          acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * kstride + 16 * c), acc[kk]);
+      _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), reduce_keys16(acc));
     }
   }
 }
+#endif
+
+// Raw scores of one query (q, D floats) against keys 0 .. n - 1.
+inline void score_keys(const float* q, const float* kb, int64_t kstride, int64_t n, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  if (D == 64) return score_keys16<4>(q, kb, kstride, n, out);
+  if (D == 128) return score_keys16<8>(q, kb, kstride, n, out);
+#endif
+  // the chains lane by lane (a skipped padded lane is the fma with zeros: the chains start at +0 and never reach -0)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = kb + j * kstride;
+    float part[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+      for (int64_t l = 0; l < 16 && d0 + l < D; ++l) part[l] = std::fma(q[d0 + l], kr[d0 + l], part[l]);
+    out[j] = tree16(part);
+  }
+}
+
+// p[j] = exp_weight(s[j] - mx) for j < n.
+inline void exp_weights(const float* s, float mx, int64_t n, float* p) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx);
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, exp_weight16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m)));
+  if (j < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm512_mask_storeu_ps(p + j, k, exp_weight16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
+    return;
+  }
+#endif
+  for (; j < n; ++j) p[j] = exp_weight(s[j] - mx);
+}
+
+// The weighted sums of Q queries' values over the keys all of them see (j < jn, no key hidden from any of them):
+// for each key in ascending order, denom[r] += p[r][j] and acc[r][d] = fma(p[r][j], v[j, d], acc[r][d]). Each query's
+// chains are its own (the values are loaded once for the Q queries); NV vectors of GV lanes per value row.
+template <int NV, int Q>
+inline void weighted_values_shared(const float* const* p, int64_t jn, const float* vb, int64_t vstride, gvec (*acc)[NV],
+                                   float* denom) {
+  for (int64_t j = 0; j < jn; ++j) {
+    const float* vj = vb + j * vstride;
+    gvec vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = gload(vj + c * GV);
+    for (int r = 0; r < Q; ++r) {
+      const float pr = p[r][j];
+      denom[r] = denom[r] + pr;
+      const gvec pv = gset1(pr);
+      for (int c = 0; c < NV; ++c) acc[r][c] = gfma(pv, vv[c], acc[r][c]);
+    }
+  }
+}
+
+// One query's weighted sum continued over keys j0 .. jend - 1 it sees (seen[j]), then divided by the denominator.
+template <int NV>
+inline void weighted_values_rest(const float* p, const char* seen, int64_t j0, int64_t jend, const float* vb,
+                                 int64_t vstride, gvec* acc, float denom, float* oi) {
+  for (int64_t j = j0; j < jend; ++j) {
+    if (!seen[j]) continue;
+    denom = denom + p[j];
+    const gvec pv = gset1(p[j]);
+    const float* vj = vb + j * vstride;
+    for (int c = 0; c < NV; ++c) acc[c] = gfma(pv, gload(vj + c * GV), acc[c]);
+  }
+  alignas(64) float tmp[GV];
+  for (int c = 0; c < NV; ++c) {
+    gstore(tmp, acc[c]);
+    for (int l = 0; l < GV; ++l) oi[c * GV + l] = tmp[l] / denom;
+  }
+}
+
+// Any head dimension: the same chains, one lane at a time.
+inline void weighted_values_any(const float* p, const char* seen, int64_t jend, const float* vb, int64_t vstride,
+                                int64_t D, float* oi) {
+  float denom = 0.f;
+  for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
+  for (int64_t j = 0; j < jend; ++j) {
+    if (!seen[j]) continue;
+    denom = denom + p[j];
+    const float* vj = vb + j * vstride;
+    for (int64_t d = 0; d < D; ++d) oi[d] = std::fma(p[j], vj[d], oi[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) oi[d] = oi[d] / denom;
+}
+
+// The values of a unit's queries: groups of up to four queries share the loads of the keys all of them see, then
+// each finishes alone. Only with NV * GV == D.
+template <int NV>
+void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const int64_t* jend, const int64_t* jfull,
+                 const bool* live, const float* vb, int64_t vstride, float* const* outr) {
+  for (int64_t g = 0; g < nq; g += 4) {
+    const int64_t gn = std::min<int64_t>(4, nq - g);
+    int64_t jn = std::numeric_limits<int64_t>::max();
+    for (int64_t r = g; r < g + gn; ++r) jn = live[r] ? std::min(jn, jfull[r]) : 0;
+    gvec acc[4][NV];
+    float denom[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < NV; ++c) acc[r][c] = gzero();
+    const float* pg[4] = {pr[g], gn > 1 ? pr[g + 1] : nullptr, gn > 2 ? pr[g + 2] : nullptr, gn > 3 ? pr[g + 3] : nullptr};
+    if (jn > 0) {
+      if (gn == 4) weighted_values_shared<NV, 4>(pg, jn, vb, vstride, acc, denom);
+      else if (gn == 3) weighted_values_shared<NV, 3>(pg, jn, vb, vstride, acc, denom);
+      else if (gn == 2) weighted_values_shared<NV, 2>(pg, jn, vb, vstride, acc, denom);
+      else weighted_values_shared<NV, 1>(pg, jn, vb, vstride, acc, denom);
+    } else {
+      jn = 0;
+    }
+    for (int64_t r = g; r < g + gn; ++r) {
+      if (!live[r]) continue;
+      weighted_values_rest<NV>(pr[r], seenr[r], jn, jend[r], vb, vstride, acc[r - g], denom[r - g], outr[r]);
+    }
+  }
+}
+
+// Scratch of one thread's attention units: per query a row of `stride` scores, weights and visible-key flags.
+struct AttnScratch {
+  int64_t stride = 0;
+  std::vector<float> scores, weights;
+  std::vector<char> seen;
+  std::vector<const float*> qr;
+  std::vector<float*> pr, outr;
+  std::vector<const char*> seenr;
+  std::vector<int64_t> jend, jfull;
+  std::vector<char> live;
+  AttnScratch(int64_t cap, int64_t stride_)
+      : stride(stride_), scores(cap * stride_), weights(cap * stride_), seen(cap * stride_), qr(cap), pr(cap),
+        outr(cap), seenr(cap), jend(cap), jfull(cap), live(cap) {}
+  char* seen_row(int64_t r) { return seen.data() + r * stride; }
+};
+
+// One unit: nq queries over the keys of one key/value head (key j at kb + j * kstride, value at vb + j * vstride).
+// The caller has set, per query r: qr[r], outr[r], jend[r] (its last visible key + 1), the flags seen_row(r)[j] for
+// j < jend[r] and jfull[r] (the first hidden key, else jend[r]). Per query: the raw scores of keys j < jend[r]
+// (score_keys), the scaled scores s = raw * scale, their maximum over the visible keys, p = exp_weight(s - max),
+// the weighted sum of the visible keys' values in ascending key order, divided by the sum of p accumulated in the
+// same order (a query that sees nothing: zeros). Which queries share a unit (and share loads) never changes the
+// operations of one query.
+void attend_unit(int64_t nq, AttnScratch& a, const float* kb, int64_t kstride, const float* vb, int64_t vstride,
+                 int64_t D, float sc) {
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t e = a.jend[r];
+    const char* sr = a.seen_row(r);
+    float* s = a.scores.data() + r * a.stride;
+    a.seenr[r] = sr;
+    a.pr[r] = a.weights.data() + r * a.stride;
+    score_keys(a.qr[r], kb, kstride, e, D, s);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < e; ++j) {
+      s[j] = s[j] * sc;
+      if (sr[j] && s[j] > mx) mx = s[j];
+    }
+    a.live[r] = mx != -std::numeric_limits<float>::infinity();
+    if (!a.live[r]) {  // nothing visible (a fully padded row): zeros
+      for (int64_t d = 0; d < D; ++d) a.outr[r][d] = 0.f;
+      continue;
+    }
+    exp_weights(s, mx, e, a.pr[r]);
+  }
+  const bool* live = reinterpret_cast<const bool*>(a.live.data());
+  if (D == 4 * GV)
+    unit_values<4>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
+  else if (D == 8 * GV)
+    unit_values<8>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
+  else
+    for (int64_t r = 0; r < nq; ++r)
+      if (live[r]) weighted_values_any(a.pr[r], a.seenr[r], a.jend[r], vb, vstride, D, a.outr[r]);
+}
+
+constexpr int64_t kUnitPositions = 4;  // query positions per attention unit (with all heads of one kv head)
 
 // q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any strides with a contiguous last dim), mask: empty (causal: query
 // i sees keys 0 .. Lk - Lq + i) or bool broadcastable to [B, Hq, Lq, Lk] (true = may attend).
 // Returns [B, Lq, Hq, D] (the layout transformers' attention functions return).
 //
-// Queries run in groups of QG consecutive ones of one (batch, head): the keys all of them may reach are scored as
-// QG x 4 tiles (each query-key pair its own accumulator, the same operations as a pair scored alone), the rest
-// query by query; only keys up to a query's last visible one are scored. Each query's softmax and weighted sum
-// then run on its own, in ascending key order. Grouping, tiling and threads change which pairs are computed
-// together, never the operations of one, so a query's output does not depend on the other queries in the call.
+// Work is split into units of one (batch, key/value head) and up to four consecutive query positions, with all
+// the query heads that share the key/value head (attend_unit), over the threads; a query's output depends only on
+// it and the keys and values it sees.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "exact attention: float32 only");
@@ -674,82 +892,98 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t ms0 = has_mask ? m.stride(0) : 0, ms1 = has_mask ? m.stride(1) : 0;
   const int64_t ms2 = has_mask ? m.stride(2) : 0, ms3 = has_mask ? m.stride(3) : 0;
   const float sc = static_cast<float>(scale);
-  TORCH_CHECK((D + 7) / 8 <= 64, "exact attention: head_dim up to 512");
-  constexpr int64_t QG = 4;
-  const int64_t groups = (Lq + QG - 1) / QG;
-  at::parallel_for(0, B * Hq * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(QG * Lk);
-    std::vector<char> seen(QG * Lk);
+  const int64_t groups = (Lq + kUnitPositions - 1) / kUnitPositions;
+  at::parallel_for(0, B * Hkv * groups, 1, [&](int64_t begin, int64_t end) {
+    AttnScratch a(kUnitPositions * rep, std::max<int64_t>(Lk, 1));
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / (Hq * groups), h = (idx / groups) % Hq, i0 = (idx % groups) * QG;
-      const int64_t nq = std::min<int64_t>(QG, Lq - i0);
-      const int64_t hk = h / rep;
-      const float* kb = kp + b * ks[0] + hk * ks[1];
-      const float* vb = vp + b * vs[0] + hk * vs[1];
-      const float* qi[QG];
-      int64_t jend[QG];
-      int64_t jmin = Lk;
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t i = i0 + r;
-        qi[r] = qp + b * qs[0] + h * qs[1] + i * qs[2];
-        char* sr = seen.data() + r * Lk;
+      const int64_t b = idx / (Hkv * groups), hk = (idx / groups) % Hkv, i0 = (idx % groups) * kUnitPositions;
+      const int64_t nq = std::min<int64_t>(kUnitPositions, Lq - i0) * rep;
+      for (int64_t r = 0; r < nq; ++r) {  // query r: position i0 + r / rep, head hk * rep + r % rep
+        const int64_t i = i0 + r / rep, h = hk * rep + r % rep;
+        char* sr = a.seen_row(r);
+        int64_t e, full;
         if (has_mask) {  // keys past the last one the mask allows are never visible
           const bool* mr = mp + b * ms0 + h * ms1 + i * ms2;
-          int64_t e = Lk;
+          e = Lk;
           while (e > 0 && !mr[(e - 1) * ms3]) --e;
-          jend[r] = e;
-          for (int64_t j = 0; j < e; ++j) sr[j] = mr[j * ms3];
+          full = e;
+          for (int64_t j = 0; j < e; ++j) {
+            sr[j] = mr[j * ms3];
+            if (!sr[j] && full == e) full = j;  // the first hidden key: loads shared with other queries stop there
+          }
         } else {  // causal over the cache
-          jend[r] = std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + i + 1));
-          std::memset(sr, 1, jend[r]);
+          e = std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + i + 1));
+          full = e;
+          std::memset(sr, 1, e);
         }
-        jmin = std::min(jmin, jend[r]);
+        a.jend[r] = e;
+        a.jfull[r] = full;
+        a.qr[r] = qp + b * qs[0] + h * qs[1] + i * qs[2];
+        a.outr[r] = op + ((b * Lq + i) * Hq + h) * D;
       }
-      // the raw dot products: QG queries x 4 keys where all of them reach, then each query's own rest four keys
-      // at a time (independent accumulators, the same arithmetic per pair as one at a time)
-      int64_t j0 = 0;
-      if (nq == QG) {
-        for (; j0 + 4 <= jmin; j0 += 4) {
-          const float* ws[4] = {kb + j0 * ks[2], kb + (j0 + 1) * ks[2], kb + (j0 + 2) * ks[2], kb + (j0 + 3) * ks[2]};
-          dot_tile<QG, 4>(qi, ws, D, scores.data() + j0, Lk, nullptr);
-        }
-      }
+      attend_unit(nq, a, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], D, sc);
+    }
+  });
+  return out;
+}
+
+// Attention of packed query rows over per-sequence KV slots: q [1, Hq, N, D] (rows of S segments one after another),
+// kbuf and vbuf [slots, Hkv, capacity, D]; segment s is `lens[s]` rows of the sequence in slot `slots[s]` at positions
+// pasts[s] .. pasts[s] + lens[s] - 1, whose keys and values are already in the slot. Its row i sees the slot's keys
+// 0 .. pasts[s] + i (causal). Returns [N, Hq * D]. The same units and operations per query as `attention`: a
+// sequence's rows give the bits they give in a [B, Hq, L, D] call with a mask, whatever else is packed beside them.
+torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Tensor vbuf, const std::vector<int64_t>& slots,
+                                 const std::vector<int64_t>& pasts, const std::vector<int64_t>& lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat,
+              "exact attention_segments: float32 only");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes(),
+              "exact attention_segments: q [1, Hq, N, D], kbuf and vbuf [slots, Hkv, capacity, D]");
+  TORCH_CHECK(kbuf.stride(3) == 1 && vbuf.stride(3) == 1, "exact attention_segments: contiguous head dim");
+  if (q.stride(3) != 1) q = q.contiguous();
+  const int64_t Hq = q.size(1), N = q.size(2), D = q.size(3), Hkv = kbuf.size(1), cap = kbuf.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && kbuf.size(3) == D, "exact attention_segments: head shapes");
+  const int64_t S = static_cast<int64_t>(slots.size()), rep = Hq / Hkv;
+  TORCH_CHECK(static_cast<int64_t>(pasts.size()) == S && static_cast<int64_t>(lens.size()) == S,
+              "exact attention_segments: one slot, past and length per segment");
+  std::vector<int64_t> unit_seg, unit_first;  // units: (segment, first row of up to four), then x Hkv
+  int64_t total = 0, widest = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(0 <= slots[s] && slots[s] < kbuf.size(0) && pasts[s] >= 0 && lens[s] >= 0 &&
+                    pasts[s] + lens[s] <= cap,
+                "exact attention_segments: segment outside the buffers");
+    for (int64_t i = 0; i < lens[s]; i += kUnitPositions) {
+      unit_seg.push_back(s);
+      unit_first.push_back(i);
+    }
+    widest = std::max(widest, pasts[s] + lens[s]);
+    total += lens[s];
+  }
+  TORCH_CHECK(total == N, "exact attention_segments: the segments' rows must add up to q's");
+  std::vector<int64_t> offset(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) offset[s + 1] = offset[s] + lens[s];
+  auto out = torch::empty({N, Hq * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kbuf.data_ptr<float>();
+  const float* vp = vbuf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto qs = q.strides(), ks = kbuf.strides(), vs = vbuf.strides();
+  const float sc = static_cast<float>(scale);
+  const int64_t units = static_cast<int64_t>(unit_seg.size());
+  at::parallel_for(0, units * Hkv, 1, [&](int64_t begin, int64_t end) {
+    AttnScratch a(kUnitPositions * rep, widest);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t u = idx / Hkv, hk = idx % Hkv, s = unit_seg[u], i0 = unit_first[u];
+      const int64_t nq = std::min<int64_t>(kUnitPositions, lens[s] - i0) * rep;
       for (int64_t r = 0; r < nq; ++r) {
-        float* sr = scores.data() + r * Lk;
-        const float* xs[1] = {qi[r]};
-        int64_t j = j0;
-        for (; j + 4 <= jend[r]; j += 4) {
-          const float* ws[4] = {kb + j * ks[2], kb + (j + 1) * ks[2], kb + (j + 2) * ks[2], kb + (j + 3) * ks[2]};
-          dot_tile<1, 4>(xs, ws, D, sr + j, 1, nullptr);
-        }
-        for (; j < jend[r]; ++j) {
-          const float* ws[1] = {kb + j * ks[2]};
-          dot_tile<1, 1>(xs, ws, D, sr + j, 1, nullptr);
-        }
+        const int64_t i = i0 + r / rep, h = hk * rep + r % rep, row = offset[s] + i;
+        const int64_t e = pasts[s] + i + 1;
+        std::memset(a.seen_row(r), 1, e);
+        a.jend[r] = e;
+        a.jfull[r] = e;
+        a.qr[r] = qp + h * qs[1] + row * qs[2];
+        a.outr[r] = op + (row * Hq + h) * D;
       }
-      // per query: the scaled scores of the visible keys, their maximum, the weighted sum of values
-      for (int64_t r = 0; r < nq; ++r) {
-        float* sr = scores.data() + r * Lk;
-        const char* seen_r = seen.data() + r * Lk;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < jend[r]; ++j) {
-          if (!seen_r[j]) continue;
-          const float s = sr[j] * sc;
-          sr[j] = s;
-          if (s > mx) mx = s;
-        }
-        float* oi = op + ((b * Lq + i0 + r) * Hq + h) * D;
-        if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible (a fully padded row): zeros
-          for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
-          continue;
-        }
-        if (D == 4 * GV)
-          weighted_values<4>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
-        else if (D == 8 * GV)
-          weighted_values<8>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
-        else
-          weighted_values<0>(sr, seen_r, jend[r], mx, vb, vs[2], D, oi);
-      }
+      attend_unit(nq, a, kp + slots[s] * ks[0] + hk * ks[1], ks[2], vp + slots[s] * vs[0] + hk * vs[1], vs[2], D, sc);
     }
   });
   return out;
@@ -905,11 +1139,11 @@ std::vector<torch::Tensor> attn_in_bf16(torch::Tensor x, torch::Tensor ln_w, dou
 // layer's input (the residual stream); returns the layer's output [M, W].
 namespace {
 
-torch::Tensor attn_out_impl(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
-                            double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w,
-                            double eps, torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
-                            c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd,
-                            Precision precision) {
+// The layer's rest once its attention output a [M, Hq * D] is known (attn_out_impl, and the stack's packed rows).
+torch::Tensor post_attention(torch::Tensor x, const torch::Tensor& a, torch::Tensor wo, c10::optional<torch::Tensor> bo,
+                             torch::Tensor ln_w, double eps, torch::Tensor wg, c10::optional<torch::Tensor> bg,
+                             torch::Tensor wu, c10::optional<torch::Tensor> bu, torch::Tensor wd,
+                             c10::optional<torch::Tensor> bd, Precision precision) {
   TORCH_CHECK(wo.scalar_type() == at::kFloat && wg.scalar_type() == at::kFloat && wu.scalar_type() == at::kFloat &&
                   wd.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "exact attn_out: float32 only");
@@ -918,8 +1152,7 @@ torch::Tensor attn_out_impl(torch::Tensor x, torch::Tensor q, torch::Tensor k, t
   TORCH_CHECK(wo.size(0) == W && wd.size(0) == W && wu.size(0) == I && wd.size(1) == I && wg.size(1) == W &&
                   wu.size(1) == W,
               "exact attn_out: weight shapes");
-  const torch::Tensor a = attention(q, k, v, mask, scale).reshape({M, -1});
-  TORCH_CHECK(a.size(1) == wo.size(1), "exact attn_out: o_proj width");
+  TORCH_CHECK(a.size(0) == M && a.size(1) == wo.size(1) && a.is_contiguous(), "exact attn_out: o_proj width");
   auto x1 = torch::empty({M, W}, x.options());
   torch::Tensor keep_o, keep_g, keep_u, keep_d;
   run_linears(a.data_ptr<float>(), M, a.size(1),
@@ -935,6 +1168,15 @@ torch::Tensor attn_out_impl(torch::Tensor x, torch::Tensor q, torch::Tensor k, t
   run_linears(s.data_ptr<float>(), M, I,
               {LinearJob{wd, bias_ptr(bd, W, keep_d), x1.data_ptr<float>(), x2.data_ptr<float>(), W}}, precision);
   return x2;
+}
+
+torch::Tensor attn_out_impl(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
+                            double scale, torch::Tensor wo, c10::optional<torch::Tensor> bo, torch::Tensor ln_w,
+                            double eps, torch::Tensor wg, c10::optional<torch::Tensor> bg, torch::Tensor wu,
+                            c10::optional<torch::Tensor> bu, torch::Tensor wd, c10::optional<torch::Tensor> bd,
+                            Precision precision) {
+  const torch::Tensor a = attention(q, k, v, mask, scale).reshape({x.size(0), -1}).contiguous();
+  return post_attention(x, a, wo, bo, ln_w, eps, wg, bg, wu, bu, wd, bd, precision);
 }
 
 }  // namespace

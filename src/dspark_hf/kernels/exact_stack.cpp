@@ -119,6 +119,67 @@ std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Ten
   return out;
 }
 
+// Runs every layer of stack `handle` on packed rows x [N, W]: S sequences' new tokens one after another (no
+// padding), sequence s being `lens[s]` rows for positions pasts[s] .. pasts[s] + lens[s] - 1 of the sequence held in
+// slot `slots[s]` of the per-layer KV buffers kbufs[i] / vbufs[i] ([slots, Hkv, capacity, D]); cos and sin [N, D] are
+// the rows' rotary tables (by position). Each layer runs attn_in on all N rows, writes each sequence's new keys and
+// values into its slot at its positions, runs attention_segments (row i of a sequence sees its slot's keys
+// 0 .. pasts[s] + i) and the rest of the layer on all N rows. Every operation is per row or per query, so a
+// sequence's rows get the bits of the same tokens run alone (stack_run over that sequence, with its cache): how many
+// sequences share the call, and which, changes nothing. Returns [output [N, W], outputs of the layers in `record`].
+std::vector<torch::Tensor> stack_run_varlen(int64_t handle, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                            std::vector<int64_t> slots, std::vector<int64_t> pasts,
+                                            std::vector<int64_t> lens, std::vector<torch::Tensor> kbufs,
+                                            std::vector<torch::Tensor> vbufs, std::vector<int64_t> record, bool bf16) {
+  const std::shared_ptr<Stack> stack = find_stack(handle);
+  const Precision precision = bf16 ? Precision::bf16 : Precision::fp32;
+  const int64_t n = static_cast<int64_t>(stack->size());
+  TORCH_CHECK(static_cast<int64_t>(kbufs.size()) == n && static_cast<int64_t>(vbufs.size()) == n,
+              "exact stack_run_varlen: one keys and one values buffer per layer");
+  TORCH_CHECK(x.dim() == 2 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0),
+              "exact stack_run_varlen: x [N, W], cos and sin [N, D]");
+  const int64_t N = x.size(0), D = cos.size(1), S = static_cast<int64_t>(slots.size());
+  const torch::Tensor cos3 = cos.unsqueeze(0), sin3 = sin.unsqueeze(0);
+  std::vector<torch::Tensor> out(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const StackLayer& L = (*stack)[i];
+    torch::Tensor& kb = kbufs[i];
+    torch::Tensor& vb = vbufs[i];
+    TORCH_CHECK(kb.scalar_type() == at::kFloat && vb.sizes() == kb.sizes() && kb.dim() == 4 && kb.size(1) == L.hkv &&
+                    kb.size(3) == D && kb.stride(3) == 1 && vb.stride(3) == 1,
+                "exact stack_run_varlen: KV buffers [slots, Hkv, capacity, D] float32");
+    auto qkv = attn_in_impl(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps,
+                            L.k_eps, cos3, sin3, 1, N, L.hq, L.hkv, precision);
+    // the new keys ([1, Hkv, N, D], contiguous) and values (a [1, Hkv, N, D] view of [N, Hkv, D]) into the slots
+    const torch::Tensor k = qkv[1].contiguous(), v = qkv[2][0].transpose(0, 1).contiguous();  // v: [N, Hkv, D]
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    float* kbp = kb.data_ptr<float>();
+    float* vbp = vb.data_ptr<float>();
+    const auto kst = kb.strides(), vst = vb.strides();
+    int64_t row = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      TORCH_CHECK(0 <= slots[s] && slots[s] < kb.size(0) && pasts[s] >= 0 && pasts[s] + lens[s] <= kb.size(2),
+                  "exact stack_run_varlen: no room in the KV buffers");
+      for (int64_t t = 0; t < lens[s]; ++t, ++row)
+        for (int64_t h = 0; h < L.hkv; ++h) {
+          std::memcpy(kbp + slots[s] * kst[0] + h * kst[1] + (pasts[s] + t) * kst[2], kp + (h * N + row) * D,
+                      D * sizeof(float));
+          std::memcpy(vbp + slots[s] * vst[0] + h * vst[1] + (pasts[s] + t) * vst[2], vp + (row * L.hkv + h) * D,
+                      D * sizeof(float));
+        }
+    }
+    TORCH_CHECK(row == N, "exact stack_run_varlen: the sequences' rows must add up to x's");
+    const torch::Tensor a = attention_segments(qkv[0], kb, vb, slots, pasts, lens, L.scale);
+    x = post_attention(x, a, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu, L.wd, L.bd, precision);
+    for (int64_t r : record) {
+      if (r == i) out.push_back(x);
+    }
+  }
+  out[0] = x;
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------- the draft's round
 // A DSpark draft's drafting round (dspark_hf/decoding/compiled.py) in three calls instead of a few hundred PyTorch
 // operations: after the target's forward has streamed its weights through the caches, every PyTorch call of the
