@@ -20,7 +20,7 @@ import torch
 import dspark_hf.decoding.engine as engine_module
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf._transformers import forward_with_features
-from dspark_hf.decoding.caches import KVStore, SlotKV
+from dspark_hf.decoding.caches import SlotKV
 from dspark_hf.kernels import build, kernels_of, use_kernels
 
 from helpers import make_aligned_draft, make_target, record_committed_logits, run_joining
@@ -66,22 +66,29 @@ def _run(engine, work, checks=None):
     """Two requests first, then one joining before every round. Per request: tokens, the logits of its first token
     (its last prefill chunk's) and of every committed row after it; `checks(engine)` runs after every round."""
     prefill_logits: dict[int, torch.Tensor] = {}
-    forward = engine_module.ragged_target_forward
+    ragged, varlen = engine_module.ragged_target_forward, engine_module.varlen_target_forward
 
-    def recording_forward(target, stores, new_tokens, keep, *args, **kwargs):
-        out = forward(target, stores, new_tokens, keep, *args, **kwargs)
-        for store, tokens, logits in zip(stores, new_tokens, out.logits):
-            req = store.store.owners[store.slot]
+    def record(rows_of, new_tokens, out):
+        for (store, slot), tokens, logits in zip(rows_of, new_tokens, out.logits):
+            req = store.owners[slot]
             if req.prefilled + len(tokens) == len(req.prompt):  # the last chunk: the first token's logits
                 prefill_logits[req.rid] = logits[-1].clone()
         return out
 
+    def recording_ragged(target, stores, new_tokens, keep, *args, **kwargs):
+        out = ragged(target, stores, new_tokens, keep, *args, **kwargs)
+        return record([(s.store, s.slot) for s in stores], new_tokens, out)
+
+    def recording_varlen(target, stack, store, slots, new_tokens, keep, *args, **kwargs):
+        out = varlen(target, stack, store, slots, new_tokens, keep, *args, **kwargs)
+        return record([(store, s) for s in slots], new_tokens, out)
+
     rows = record_committed_logits(engine)
-    engine_module.ragged_target_forward = recording_forward
+    engine_module.ragged_target_forward, engine_module.varlen_target_forward = recording_ragged, recording_varlen
     try:
         ids, outputs = run_joining(engine, work, first=2, after_step=checks)
     finally:
-        engine_module.ragged_target_forward = forward
+        engine_module.ragged_target_forward, engine_module.varlen_target_forward = ragged, varlen
     return [(outputs[i].token_ids, prefill_logits.get(i), rows.get(i, [])) for i in ids]
 
 
@@ -149,14 +156,25 @@ def test_the_stock_kernels_fail_the_logits_check(setup):
 
 
 def test_a_chunk_that_does_not_see_the_earlier_chunks_fails_the_token_check(setup, monkeypatch):
-    # negative control: each prefill chunk attends only to itself (as if the cache were empty)
+    # negative control: each prefill chunk attends only to itself (as if the cache were empty): written and read
+    # at positions from 0, the slot's earlier chunks out of sight
     target, work, refs = setup
-    forward = engine_module.ragged_target_forward
+    forward = engine_module.varlen_target_forward
 
-    def forgetful(target, stores, new_tokens, *args, **kwargs):
-        return forward(target, [KVStore(1 << 20) for _ in stores], new_tokens, *args, **kwargs)
+    def forgetful(target, stack, store, slots, new_tokens, *args, **kwargs):
+        prefill = [s for s in slots if store.owners[s].prefilled < len(store.owners[s].prompt)]
+        saved = [store.lengths[s] for s in prefill]
+        if store.allocated:  # room where the engine will count them (their lengths advance by the chunks)
+            store.reserve(max(store.lengths[s] + len(t) for s, t in zip(slots, new_tokens)))
+        for s in prefill:
+            store.lengths[s] = 0
+        try:
+            return forward(target, stack, store, slots, new_tokens, *args, **kwargs)
+        finally:
+            for s, n in zip(prefill, saved):
+                store.lengths[s] = n
 
-    monkeypatch.setattr(engine_module, "ragged_target_forward", forgetful)
+    monkeypatch.setattr(engine_module, "varlen_target_forward", forgetful)
     engine = DSparkEngine(target, None, policy="none", max_batch_size=4, kernels="exact", max_prefill_tokens=BUDGET)
     wrong, differ, _ = _mismatches(_run(engine, work), refs)
     assert wrong > 0 and differ > 0

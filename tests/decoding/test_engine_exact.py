@@ -81,7 +81,9 @@ def test_stock_engine_fails_the_same_check():
     assert differ > 0, compared
 
 
-def test_exact_engine_runs_lean_layers_and_padded_rounds_and_refuses_the_packed_layout():
+def test_exact_engine_runs_lean_layers_and_unpadded_rounds_and_refuses_the_packed_layout():
+    # the exact engine's forwards pack the rows' tokens with no padding (`varlen_target_forward`), each row's
+    # queries over its own slot; the `packed` layout (one sequence over every row's past) stays refused
     target = _target("qwen2")
     draft = make_aligned_draft(target, block_size=5)
     engine = DSparkEngine(target, draft, policy="fixed", kernels="exact")
@@ -94,7 +96,8 @@ def test_exact_engine_runs_lean_layers_and_padded_rounds_and_refuses_the_packed_
         outs.update({e.request_id: e for e in engine.step() if e.finished})
     assert outs[rid].output.ok
     assert kernels_of(target) == "stock" and not any(is_lean(layer) for layer in target.model.layers)
-    assert engine.metrics.layout_counts["padded"] > 1 and engine.metrics.layout_counts["packed"] == 0
+    counts = engine.metrics.layout_counts
+    assert counts["varlen"] > 1 and counts["padded"] == 0 and counts["packed"] == 0
     with pytest.raises(ValueError, match="layout='packed'"):
         DSparkEngine(target, draft, kernels="exact", layout="packed")
     with pytest.raises(ValueError, match="kernels must be one of"):

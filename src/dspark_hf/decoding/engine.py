@@ -52,6 +52,7 @@ from collections.abc import Iterator
 import torch
 
 from ..kernels import EXACT_MODES, build_exact_kernels, use_kernels
+from ..kernels.lean_model import varlen_stack
 from ..scheduling.policies import ScheduleContext
 from .backends import BackendSetup
 from .caches import SlotKV, SlotRow
@@ -82,6 +83,7 @@ from .target_forward import (
     linear_cost_in_keys,
     ragged_target_forward,
     slot_target_forward,
+    varlen_target_forward,
 )
 
 logger = logging.getLogger(__name__)
@@ -437,8 +439,9 @@ class DSparkEngine:
         one-shot prefill of the prompt would). A request whose last chunk this is gets its first token."""
         start = time.perf_counter()
         budget, rows, chunks, width = self.max_prefill_tokens, [], [], 0
+        stack = self._varlen_stack()
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
-            if self.layout == "packed":
+            if self.layout == "packed" or stack is not None:  # no padding: the budget is the tokens themselves
                 n = min(len(req.prompt) - req.prefilled, budget - sum(map(len, chunks)))
             else:  # a padded forward computes every row as long as its longest: rows x width within the budget
                 n = min(len(req.prompt) - req.prefilled, budget // (len(rows) + 1))
@@ -449,12 +452,18 @@ class DSparkEngine:
             rows.append(req)
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
             width = max(width, n)
-        out = ragged_target_forward(
-            self.target, [r.kv for r in rows], chunks, [[len(c) - 1] for c in chunks], self.layer_ids, self.layout,
-            self._linear_cost,
-        )  # fmt: skip
+        keep = [[len(c) - 1] for c in chunks]
+        if stack is not None:  # written into the slots in place
+            slots = [r.kv.slot for r in rows]
+            out = varlen_target_forward(self.target, stack, self._kv, slots, chunks, keep, self.layer_ids)
+            for slot, chunk in zip(slots, chunks):
+                self._kv.lengths[slot] += len(chunk)
+        else:
+            out = ragged_target_forward(
+                self.target, [r.kv for r in rows], chunks, keep, self.layer_ids, self.layout, self._linear_cost
+            )
+            commit_rows(self._kv, [r.kv.slot for r in rows], out.new_kv, [len(c) for c in chunks])
         self.metrics.layout_counts[out.layout] += 1
-        commit_rows(self._kv, [r.kv.slot for r in rows], out.new_kv, [len(c) for c in chunks])
         firsts = []
         for i, (req, chunk) in enumerate(zip(rows, chunks)):
             req.prefilled += len(chunk)
@@ -530,6 +539,13 @@ class DSparkEngine:
     def _target_forward(self, reqs: list[Request], rows: list[list[int]]):
         """ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]`, in the round's layout."""
         keep = [list(range(len(row))) for row in rows]
+        stack = self._varlen_stack()
+        if stack is not None:  # the exact kernels: packed rows, no padding, no mask
+            out = varlen_target_forward(
+                self.target, stack, self._kv, [r.kv.slot for r in reqs], rows, keep, self.layer_ids
+            )
+            self.metrics.layout_counts[out.layout] += 1
+            return out
         layout = self.layout
         if layout == "auto":
             layout = choose_layout(self._kv.lengths[: len(reqs)], list(map(len, rows)), self._linear_cost)
@@ -541,6 +557,13 @@ class DSparkEngine:
             )
         self.metrics.layout_counts[out.layout] += 1
         return out
+
+    def _varlen_stack(self):
+        """The target's compiled layer stack when its forwards can run packed ([`varlen_target_forward`]): in the
+        exact modes, while the kernels are held, with no hooks; else `None` (the padded or packed layouts)."""
+        if self.kernels not in EXACT_MODES or self._kernel_scope is None:
+            return None
+        return varlen_stack(self.target, self.layer_ids)
 
     # ------------------------------------------------------------------ views of the speculator's state
     @property

@@ -63,7 +63,7 @@ class EngineMetrics:
         self.verified_at = self.verified_at or [0] * self.block_size
         self.accepted_at = self.accepted_at or [0] * self.block_size
         self.length_counts = self.length_counts or [0] * (self.block_size + 1)
-        self.layout_counts = self.layout_counts or {"padded": 0, "packed": 0}
+        self.layout_counts = self.layout_counts or {"padded": 0, "packed": 0, "varlen": 0}
 
     def reset(self) -> None:
         """Zero every counter and peak (gauges keep their current value)."""

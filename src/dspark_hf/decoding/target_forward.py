@@ -283,6 +283,57 @@ def slot_target_forward(
     return RaggedOutput(logits=logits, features=features, new_kv=None, layout="padded")
 
 
+def varlen_target_forward(
+    target,
+    stack,
+    store: SlotKV,
+    slots: list[int],
+    new_tokens: list[list[int]],
+    keep: list[list[int]],
+    layer_ids: list[int] | None = None,
+) -> RaggedOutput:
+    """The exact kernels' target forward over ragged rows with no padding and no mask: the rows' new tokens
+    packed into one sequence of `sum(len(row))` rows for the linears, each row's queries attending to its own slot
+    of `store` (its committed keys, then its new tokens causally), the new keys/values written into the slots in
+    place at positions `store.lengths[slot] + j`. `stack` is [`varlen_stack`]'s (the target inside `use_kernels`
+    in an exact mode). A row's logits and features are bit-identical to its tokens in the model's own forward on
+    these kernels alone (the [`slot_target_forward`] / `generate()` values), whatever other rows share the call.
+    The caller commits a row's first `n` tokens by advancing `store.lengths[slot]` by `n`.
+
+    Returns:
+        [`RaggedOutput`] with `new_kv=None` (already in `store`) and layout `"varlen"`.
+    """
+    from ..kernels.lean_model import run_varlen
+
+    pasts = [store.lengths[s] for s in slots]
+    lens = list(map(len, new_tokens))
+    config = target.config.get_text_config()
+    if not store.allocated:
+        heads, dim = config.num_key_value_heads, getattr(config, "head_dim", None)
+        dim = dim or config.hidden_size // config.num_attention_heads
+        like = [(torch.empty(1, heads, 1, dim), torch.empty(1, heads, 1, dim))] * config.num_hidden_layers
+        store.reserve(max(p + n for p, n in zip(pasts, lens)), like=like)
+    else:
+        store.reserve(max(p + n for p, n in zip(pasts, lens)))
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    keep_rows = [starts[r] + j for r, row_keep in enumerate(keep) for j in row_keep]
+    packed = [t for row in new_tokens for t in row] + [p + j for p, n in zip(pasts, lens) for j in range(n)] + keep_rows
+    packed = torch.tensor(packed)  # the one host-to-tensor copy: ids, positions and kept rows
+    total = starts[-1]
+    logits, feats = run_varlen(
+        target, stack, packed[:total], packed[total : 2 * total], slots, pasts, lens, store.buffers(0, len(store)),
+        packed[2 * total :], layer_ids,
+    )  # fmt: skip
+    out_logits, at = [], 0
+    for row_keep in keep:
+        out_logits.append(logits[at : at + len(row_keep)])
+        at += len(row_keep)
+    features = None if feats is None else [feats[starts[r] : starts[r + 1]] for r in range(len(new_tokens))]
+    return RaggedOutput(logits=out_logits, features=features, new_kv=None, layout="varlen")
+
+
 def commit_rows(store: SlotKV, slots: list[int], new_kv, counts: list[int]) -> None:
     """Write the first `counts[i]` new keys/values of each row (a [`ragged_target_forward`]'s `new_kv`) into
     `store` at `slots[i]`, after the slot's committed tokens, and advance the lengths: one index-put per layer

@@ -230,3 +230,55 @@ def _run_stack(stack, compiled, hidden_states, mask, cache, cos, sin) -> torch.T
 def is_lean_model(model: nn.Module) -> bool:
     """Whether a base model (e.g. `LlamaModel`) currently runs the exact mode's [`lean_model_forward`]."""
     return replaced_forward(model) is lean_model_forward
+
+
+def varlen_stack(model: nn.Module, layer_ids) -> tuple | None:
+    """The compiled layer stack of a causal LM's base model when [`run_varlen`] can run it: the model on the lean
+    stack (inside `use_kernels` in an exact mode), a plain Llama/Qwen2/Qwen3 causal LM (logits = `lm_head` of the
+    final norm), no hooks anywhere, and feature layers `layer_ids` that are inner layers. Else `None`."""
+    base = getattr(model, "model", None)
+    stack = None if base is None else base.__dict__.get(_LEAN_STACK)
+    if stack is None or not is_lean_model(base) or tf.global_module_hooks() or "forward" in model.__dict__:
+        return None
+    if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    modules = [model, base, base.embed_tokens, base.norm, base.rotary_emb, model.lm_head]
+    modules += [layer for layer, _, _, _ in stack[1]]
+    if any(tf.forward_hooks(m) or tf.has_forward_pre_hooks(m) for m in modules):
+        return None
+    if layer_ids and not all(0 <= int(i) < len(stack[1]) - 1 for i in layer_ids):
+        return None
+    return stack
+
+
+def run_varlen(
+    model: nn.Module,
+    stack,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: list[int],
+    pasts: list[int],
+    lens: list[int],
+    buffers,
+    keep_rows: torch.Tensor,
+    layer_ids,
+) -> tuple:
+    """One forward of a causal LM on packed rows with no padding: `ids` / `positions` `[N]` are the new tokens of
+    sequences one after another (sequence `s`: `lens[s]` tokens at positions `pasts[s]..`, its keys and values in
+    slot `slots[s]` of `buffers`, one `(keys, values)` `[slots, kv_heads, capacity, head_dim]` per layer, written
+    in place). Returns `(logits [len(keep_rows), V], features [N, m·d] or None)`: the logits of the packed rows
+    `keep_rows`, the concatenated outputs of layers `layer_ids`. Every operation is per row or per query
+    (`stack_run_varlen`), so a sequence's rows are bit-identical to the same tokens in the model's own forward on
+    the exact kernels, whatever else is packed beside them."""
+    base = model.model
+    handle, _, bf16 = stack
+    x = base.embed_tokens(ids)  # [N, W]
+    cos, sin = base.rotary_emb(x[None], positions[None])
+    record = [int(i) for i in layer_ids] if layer_ids else []
+    keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+    out = backend().stack_run_varlen(handle, x, cos[0], sin[0], slots, pasts, lens, keys, values, record, bf16)
+    hidden = base.norm(out[0][None])[0]
+    logits = model.lm_head(hidden[keep_rows][None])[0]
+    by_layer = dict(zip(sorted(record), out[1:]))  # the stack returns them in layer order
+    features = torch.cat([by_layer[i] for i in record], dim=-1) if record else None
+    return logits, features
