@@ -1053,7 +1053,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
   return out;
 }
 
-// SwiGLU's gate: out = silu(g) * u with silu(g) = g / (1 + exp(-g)), element by element.
+// SwiGLU's gate: out = silu(g) * u with silu(g) = g / (1 + exp(-g)), element by element, exp by exp_weight.
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   TORCH_CHECK(g.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat, "exact silu_mul: float32 only");
   TORCH_CHECK(g.sizes() == u.sizes(), "exact silu_mul: g and u of one shape");
@@ -1064,7 +1064,21 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   const float* up = u.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t n = g.numel();
-  for (int64_t i = 0; i < n; ++i) op[i] = (gp[i] / (1.0f + std::exp(-gp[i]))) * up[i];
+  // element by element (exp_weight's exp: its clamp leaves silu at g for g > 87 and at ~g * 6e-39 below -88),
+  // vectorised in blocks of 16 split over the threads: neither changes an element's operations
+  at::parallel_for(0, (n + 15) / 16, 64, [&](int64_t begin, int64_t end) {
+    int64_t i = begin * 16;
+    const int64_t stop = std::min(n, end * 16);
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= stop; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(gp + i);
+      const __m512 e = exp_weight16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      _mm512_storeu_ps(op + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < stop; ++i) op[i] = (gp[i] / (1.0f + exp_weight(-gp[i]))) * up[i];
+  });
   return out;
 }
 
