@@ -62,9 +62,10 @@ def _references(target, work):
     return refs
 
 
-def _run(engine, work, checks=None):
+def _run(engine, work, checks=None, shared=None):
     """Two requests first, then one joining before every round. Per request: tokens, the logits of its first token
-    (its last prefill chunk's) and of every committed row after it; `checks(engine)` runs after every round."""
+    (its last prefill chunk's) and of every committed row after it; `checks(engine)` runs after every round.
+    `shared` (a list) gets one entry per forward that carried decoding rows and prefill chunks together."""
     prefill_logits: dict[int, torch.Tensor] = {}
     ragged, varlen = engine_module.ragged_target_forward, engine_module.varlen_target_forward
 
@@ -81,6 +82,9 @@ def _run(engine, work, checks=None):
 
     def recording_varlen(target, stack, store, slots, new_tokens, keep, *args, **kwargs):
         out = varlen(target, stack, store, slots, new_tokens, keep, *args, **kwargs)
+        prefill = [store.owners[s].prefilled < len(store.owners[s].prompt) for s in slots]
+        if shared is not None and any(prefill) and not all(prefill):
+            shared.append(len(slots))
         return record([(store, s) for s in slots], new_tokens, out)
 
     rows = record_committed_logits(engine)
@@ -133,9 +137,11 @@ def test_chunked_prefill_under_concurrency_equals_plain_exact_decoding(setup, dr
         engine = DSparkEngine(
             target, model, policy="fixed", max_batch_size=4, kernels="exact", max_prefill_tokens=BUDGET
         )
-    results = _run(engine, work, checks=_slots_in_order)
+    shared = []
+    results = _run(engine, work, checks=_slots_in_order, shared=shared)
     wrong, differ, compared = _mismatches(results, refs)
     assert wrong == 0 and differ == 0, (wrong, differ, compared)
+    assert len(shared) >= 10  # most chunks rode in a decoding round's forward
     assert compared >= sum(NEWS)
     m = engine.metrics
     assert m.prefill_tokens == sum(LENGTHS)

@@ -313,7 +313,9 @@ class DSparkEngine:
             self._kernel_scope = contextlib.ExitStack()
             self._kernel_scope.enter_context(use_kernels(self.target, self.draft, mode=self.kernels))
         if decoding:
-            self._decode_round(decoding, events)
+            shared = prefilling and self._varlen_stack() is not None
+            self._decode_round(decoding, events, prefilling if shared else ())
+            prefilling = [] if shared else prefilling
         if prefilling:
             self._prefill(prefilling, events)
         self._compact()  # finished requests' slots (and, when idle, the buffers) are given back now
@@ -438,8 +440,25 @@ class DSparkEngine:
         cached chunks so far (each chunk attends to its request's committed keys and causally to itself, as the
         one-shot prefill of the prompt would). A request whose last chunk this is gets its first token."""
         start = time.perf_counter()
-        budget, rows, chunks, width = self.max_prefill_tokens, [], [], 0
         stack = self._varlen_stack()
+        rows, chunks = self._prefill_chunks(reqs, stack)
+        keep = [[len(c) - 1] for c in chunks]
+        if stack is not None:  # written into the slots in place
+            slots = [r.kv.slot for r in rows]
+            out = varlen_target_forward(self.target, stack, self._kv, slots, chunks, keep, self.layer_ids)
+        else:
+            out = ragged_target_forward(
+                self.target, [r.kv for r in rows], chunks, keep, self.layer_ids, self.layout, self._linear_cost
+            )
+        self.metrics.layout_counts[out.layout] += 1
+        self._prefilled(rows, chunks, out, events)
+        self.metrics.prefill_forwards += 1
+        self.metrics.prefill_seconds += time.perf_counter() - start
+
+    def _prefill_chunks(self, reqs: list[Request], stack) -> tuple[list[Request], list[list[int]]]:
+        """The requests of this round's prefill and their chunks: oldest request first, at most
+        `max_prefill_tokens` tokens in all (a padded forward counts its padding: rows x width)."""
+        budget, rows, chunks, width = self.max_prefill_tokens, [], [], 0
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
             if self.layout == "packed" or stack is not None:  # no padding: the budget is the tokens themselves
                 n = min(len(req.prompt) - req.prefilled, budget - sum(map(len, chunks)))
@@ -452,18 +471,17 @@ class DSparkEngine:
             rows.append(req)
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
             width = max(width, n)
-        keep = [[len(c) - 1] for c in chunks]
-        if stack is not None:  # written into the slots in place
-            slots = [r.kv.slot for r in rows]
-            out = varlen_target_forward(self.target, stack, self._kv, slots, chunks, keep, self.layer_ids)
-            for slot, chunk in zip(slots, chunks):
-                self._kv.lengths[slot] += len(chunk)
+        return rows, chunks
+
+    def _prefilled(self, rows: list[Request], chunks: list[list[int]], out, events: list[StreamEvent]) -> None:
+        """After a forward over prefill chunks (`out`: their logits and features, keys/values in `out.new_kv` or
+        already in the slots): commit the chunks, hand their features to the draft, and give each request whose
+        last chunk this was its first token."""
+        if out.new_kv is None:
+            for req, chunk in zip(rows, chunks):
+                self._kv.lengths[req.kv.slot] += len(chunk)
         else:
-            out = ragged_target_forward(
-                self.target, [r.kv for r in rows], chunks, keep, self.layer_ids, self.layout, self._linear_cost
-            )
             commit_rows(self._kv, [r.kv.slot for r in rows], out.new_kv, [len(c) for c in chunks])
-        self.metrics.layout_counts[out.layout] += 1
         firsts = []
         for i, (req, chunk) in enumerate(zip(rows, chunks)):
             req.prefilled += len(chunk)
@@ -476,21 +494,35 @@ class DSparkEngine:
             req.times["first_token"] = time.perf_counter()
             self._emit(req, [token], events)
         m = self.metrics
-        m.prefill_forwards += 1
         m.prefill_chunks += len(chunks)
         m.prefill_tokens += sum(map(len, chunks))
-        m.prefill_seconds += time.perf_counter() - start
 
-    def _decode_round(self, reqs: list[Request], events: list[StreamEvent]) -> None:
+    def _decode_round(self, reqs: list[Request], events: list[StreamEvent], prefilling=()) -> None:
         """One round: the speculator proposes (copies, a drafted block, or nothing), ONE target forward verifies
-        every row, each row accepts and commits, and the speculator learns the outcome."""
+        every row, each row accepts and commits, and the speculator learns the outcome. With `prefilling` requests
+        and the unpadded forward, their next prefill chunks ride in the same forward (one pass over the weights)."""
         t0 = time.perf_counter()
         # the round always emits one target token, so at most `remaining - 1` drafts can be useful
         budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
         proposal = self._propose(reqs, budgets)
         t1 = time.perf_counter()
         rows = [[r.tokens[-1]] + d[:n] for r, d, n in zip(reqs, proposal.tokens, proposal.lengths)]
-        out = self._target_forward(reqs, rows)
+        stack = self._varlen_stack() if prefilling else None
+        riding, riding_seconds = 0, 0.0  # prefill tokens in this round's forward, and their share of its time
+        if stack is not None:  # decoding rows and prefill chunks in one unpadded forward
+            prows, chunks = self._prefill_chunks(prefilling, stack)
+            keep = [list(range(len(row))) for row in rows] + [[len(c) - 1] for c in chunks]
+            slots = [r.kv.slot for r in [*reqs, *prows]]
+            both = varlen_target_forward(self.target, stack, self._kv, slots, rows + chunks, keep, self.layer_ids)
+            self.metrics.layout_counts[both.layout] += 1
+            out, pout = both.split(len(reqs))
+            self._prefilled(prows, chunks, pout, events)
+            riding = sum(map(len, chunks))
+            riding_seconds = (time.perf_counter() - t1) * riding / (riding + sum(map(len, rows)))
+            self.metrics.prefill_forwards += 1  # (a forward shared with decoding rows: its share of the time)
+            self.metrics.prefill_seconds += riding_seconds
+        else:
+            out = self._target_forward(reqs, rows)
         copied = proposal.source == "lookup"
         outcomes = self._accept(reqs, proposal.block, proposal.tokens, proposal.lengths, out.logits, copied=copied)
         accepted = [n for n, _ in outcomes]
@@ -504,7 +536,9 @@ class DSparkEngine:
         if self.speculate:  # the committed tokens' features wait for the draft's next drafting round
             for i, req in enumerate(reqs):
                 req.draft.pending.append(out.features[i][: accepted[i] + 1])
-            self.speculator.observe([r.draft for r in reqs], proposal, accepted, computed, time.perf_counter() - t1)
+            # the forward's time against all the tokens it computed (prefill chunks riding along included)
+            seconds = time.perf_counter() - t1
+            self.speculator.observe([r.draft for r in reqs], proposal, accepted, computed + riding, seconds)
         t2 = time.perf_counter()
         for i, req in enumerate(reqs):
             self.metrics.record_request_round(
@@ -516,7 +550,7 @@ class DSparkEngine:
         m.forward_tokens += sum(len(row) for row in rows)
         m.queue_length_sum += len(self._queue)
         m.draft_seconds += t1 - t0
-        m.verify_seconds += t2 - t1
+        m.verify_seconds += t2 - t1 - riding_seconds
         m.computed_tokens += computed
         m.drafting_rounds += proposal.source == "draft"
         m.lookup_rounds += copied

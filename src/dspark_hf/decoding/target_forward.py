@@ -119,6 +119,15 @@ class RaggedOutput:
     new_kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
     layout: str = "padded"
 
+    def split(self, n: int) -> tuple[RaggedOutput, RaggedOutput]:
+        """The first `n` rows' results and the rest's (of a forward whose keys/values are already stored)."""
+        if self.new_kv is not None:
+            raise ValueError("split() is for forwards that wrote their keys/values in place (new_kv=None).")
+        features = self.features
+        first = RaggedOutput(self.logits[:n], None if features is None else features[:n], None, self.layout)
+        rest = RaggedOutput(self.logits[n:], None if features is None else features[n:], None, self.layout)
+        return first, rest
+
 
 @torch.no_grad()
 def ragged_target_forward(
