@@ -160,6 +160,7 @@ inline gvec gzero() { return _mm512_setzero_ps(); }
 inline gvec gload(const float* p) { return _mm512_loadu_ps(p); }
 inline gvec gset1(float a) { return _mm512_set1_ps(a); }
 inline gvec gfma(gvec a, gvec b, gvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline gvec gadd(gvec a, gvec b) { return _mm512_add_ps(a, b); }
 inline void gstore(float* p, gvec a) { _mm512_storeu_ps(p, a); }
 #elif defined(DSPARK_AVX2)
 using gvec = __m256;
@@ -170,6 +171,7 @@ inline gvec gzero() { return _mm256_setzero_ps(); }
 inline gvec gload(const float* p) { return _mm256_loadu_ps(p); }
 inline gvec gset1(float a) { return _mm256_set1_ps(a); }
 inline gvec gfma(gvec a, gvec b, gvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline gvec gadd(gvec a, gvec b) { return _mm256_add_ps(a, b); }
 inline void gstore(float* p, gvec a) { _mm256_storeu_ps(p, a); }
 #else
 using gvec = vec8;
@@ -184,6 +186,10 @@ inline gvec gset1(float a) {
   return r;
 }
 inline gvec gfma(gvec a, gvec b, gvec c) { return vfma(a, b, c); }
+inline gvec gadd(gvec a, gvec b) {
+  for (int i = 0; i < 8; ++i) a.v[i] = a.v[i] + b.v[i];
+  return a;
+}
 inline void gstore(float* p, gvec a) { vstore(p, a); }
 #endif
 constexpr int GNR = GV * GNV;  // columns per panel
@@ -455,9 +461,20 @@ void run_panels(int64_t M, int64_t block_rows, const std::vector<LinearJob>& job
           for (int64_t r = 0; r < R; ++r) {
             float* o = job.out + (m + r) * N + n0;
             const float* res = job.residual ? job.residual + (m + r) * N + n0 : nullptr;
-            for (int64_t c = 0; c < cols; ++c) {
+            const float* bias = job.bias != nullptr ? job.bias + n0 : nullptr;
+            int64_t c = 0;
+            // s = chain (+ bias) then residual + s: the same two additions per element, GV elements at a time
+            if (cols == GNR) {
+              for (; c < GNR; c += GV) {
+                gvec v = gload(tmp + r * GNR + c);
+                if (bias != nullptr) v = gadd(v, gload(bias + c));
+                if (res != nullptr) v = gadd(gload(res + c), v);
+                gstore(o + c, v);
+              }
+            }
+            for (; c < cols; ++c) {
               float s = tmp[r * GNR + c];
-              if (job.bias != nullptr) s = s + job.bias[n0 + c];
+              if (bias != nullptr) s = s + bias[c];
               if (res != nullptr) s = res[c] + s;
               o[c] = s;
             }
