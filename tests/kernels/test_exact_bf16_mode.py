@@ -10,7 +10,10 @@ What the mode promises, checked on tiny float32 targets built here:
   explain, and equal a reference that rounds each linear's input and weight to bf16 and sums in float32;
 * it is batch-invariant at the model level: k rows (a batch of prompts, or a prompt's tokens in one forward)
   give bit for bit the logits of each row alone (one prompt alone, or token by token with the cache);
-* leaving the mode gives the models back: stock forwards after the block equal those before, no swap is left.
+* leaving the mode gives the models back: stock forwards after the block equal those before, no swap is left;
+* it is the default for a target held in bfloat16 on the CPU, held in float32 inside the block (the same
+  parameter objects) and in bfloat16 again after it, with the engine's requests under concurrency equal to plain
+  decoding in the mode.
 """
 
 from __future__ import annotations
@@ -65,11 +68,33 @@ def _plain(target, prompt, m, mode=MODE):
     return out.sequences[0, len(prompt) :].tolist(), [logits[0] for logits in out.logits]
 
 
-def test_the_mode_is_named_and_not_the_default():
+def test_the_mode_is_named_and_the_default_only_for_a_bf16_target():
     from dspark_hf.kernels import default_kernels
 
     assert MODE in KERNEL_MODES
     assert default_kernels(_target()) == "exact"
+    assert default_kernels(_target().to(torch.bfloat16)) == MODE
+
+
+def test_a_bf16_target_runs_the_mode_by_default_and_is_given_back_in_bf16():
+    target = _target().to(torch.bfloat16)
+    draft = make_aligned_draft(target, block_size=5)
+    params = {name: (p, p.detach().clone()) for name, p in [*target.named_parameters(), *draft.named_parameters()]}
+    assert all(p.dtype == torch.bfloat16 for p, _ in params.values())
+    work = _prompts()
+    with use_kernels(target, draft, mode=MODE):
+        assert all(p.dtype == torch.float32 for p, _ in params.values())  # held in float32 inside the block
+        refs = [_plain(target, prompt, m) for prompt, m in work]
+    engine = DSparkEngine(target, draft, policy="fixed", max_batch_size=3)  # kernels unnamed: the default
+    assert engine.kernels == MODE
+    rows = record_committed_logits(engine)
+    ids, outputs = run_joining(engine, work, first=2)
+    for rid, (tokens, logits) in zip(ids, refs):
+        assert outputs[rid].token_ids == tokens and len(rows[rid]) >= len(logits) - 1
+        assert all(torch.equal(a, b) for a, b in zip(rows[rid], logits[1:]))
+    # the same parameter objects, bf16 again, every value as it was
+    for name, p in [*target.named_parameters(), *draft.named_parameters()]:
+        assert p is params[name][0] and p.dtype == torch.bfloat16 and torch.equal(p, params[name][1]), name
 
 
 @pytest.mark.parametrize("arch,head,compiled", [("llama", "markov", True), ("qwen3", "markov", False)])

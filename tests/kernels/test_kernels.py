@@ -223,7 +223,7 @@ def test_the_library_default_is_exact_for_a_float32_cpu_target_of_a_supported_fa
 
     assert default_kernels(_target("llama")) == "exact"
     assert default_kernels(_target("qwen3")) == "exact"
-    assert default_kernels(_target("llama").to(torch.bfloat16)) == "stock"  # the exact kernels are float32 ones
+    assert default_kernels(_target("llama").to(torch.bfloat16)) == "exact-bf16"  # its linears' GEMM in bf16
     assert default_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4))) == "stock"  # no supported decoder layer
     import dspark_hf
 

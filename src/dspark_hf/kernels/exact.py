@@ -20,6 +20,7 @@ block) are left as they are.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -130,17 +131,38 @@ class _Swaps:
             model.set_attn_implementation(previous)
 
 
+def _upcast_bf16(model: nn.Module) -> list[torch.Tensor]:
+    """Hold `model`'s bfloat16 CPU parameters and buffers in float32 (in place, `tensor.data` swapped: the same
+    parameter objects); returns them, for [`_downcast`]. Lossless: every bfloat16 value is a float32 value."""
+    held = []
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
+            tensor.data = tensor.data.float()
+            held.append(tensor)
+    return held
+
+
+def _downcast(held: list[torch.Tensor]) -> None:
+    """Back to bfloat16 what [`_upcast_bf16`] held in float32 (exactly the values it had)."""
+    for tensor in held:
+        tensor.data = tensor.data.to(torch.bfloat16)
+
+
 @contextlib.contextmanager
 def exact_kernels(*models: nn.Module | None, bf16: bool = False) -> Iterator[None]:
     """Run `models` on the exact kernels inside the block, then restore them (the exact mode of `use_kernels`;
-    with `bf16`, the exact-bf16 mode: every linear on the bf16 GEMM)."""
+    with `bf16`, the exact-bf16 mode: every linear on the bf16 GEMM). The kernels are float32 ones: a model held
+    in bfloat16 on the CPU is held in float32 inside the block (lossless) and in bfloat16 again after it."""
     backend()  # build (or load) the kernels now, not inside the first forward
     register_attention()
     swaps = _Swaps(bf16)
+    held: list[torch.Tensor] = []
     try:
         for model in models:
             if model is not None:
+                held += _upcast_bf16(model)
                 swaps.apply(model)
         yield
     finally:
         swaps.undo()
+        _downcast(held)

@@ -22,8 +22,9 @@ depends on the kernels that forward runs on:
   token-identical to plain decoding *in this mode* by construction (greedy) and samples from exactly plain
   decoding's distribution in this mode. It is *not* identical to `"exact"` or to any float32 decoding: rounding
   weights and activations to bf16 at every linear changes the logits (by about bf16's relative precision, 2^-8),
-  so near-ties, and from there whole continuations, can differ from float32 decoding. Opt in by name; never the
-  default.
+  so near-ties, and from there whole continuations, can differ from float32 decoding. The default for a target
+  held in bfloat16 on the CPU (whose linears round to bf16 anyway; its weights are held in float32 inside the
+  block, losslessly, and in bfloat16 again after it); for a float32 target, opt in by name.
 
 The mode reaches the models through [`use_kernels`] only, for the duration of a `with` block: no process-wide
 setting, no environment variable. [`default_kernels`] is the mode the library picks when nobody names one.
@@ -69,19 +70,23 @@ def default_kernels(target: nn.Module) -> str:
     """The library's one default kernel mode for `target`, used wherever no mode is named.
 
     `"exact"` for a target with float32 weights on the CPU of a supported family ([`exact_family`]: Llama, Qwen2,
-    Qwen3): batch-invariant and, on the CPUs measured, faster than stock at every batch size decoding uses. `"stock"`
-    otherwise: the exact kernels are CPU float32 kernels (other dtypes or devices would run their slow per-row
-    fallback) and other families run only partly on them. Never `"packed"` (not batch-invariant; opt in by name).
+    Qwen3): batch-invariant and, on the CPUs measured, faster than stock at every batch size decoding uses.
+    `"exact-bf16"` for such a target held in bfloat16: its linears as bf16 GEMMs (what a bf16 model computes, summed
+    in float32), the rest in float32 (the weights are held in float32 inside the block, losslessly), batch-invariant
+    where the stock bf16 kernels are not. `"stock"` otherwise: the exact kernels are CPU kernels (other dtypes or
+    devices would run their slow per-row fallback) and other families run only partly on them. Never `"packed"`
+    (not batch-invariant; opt in by name).
 
     Args:
         target (`nn.Module`): the model whose forwards the mode applies to.
 
     Returns:
-        `str`: `"exact"` or `"stock"`.
+        `str`: `"exact"`, `"exact-bf16"` or `"stock"`.
     """
     weight = next((p for p in target.parameters() if p.dim() == 2), None)
-    on_cpu_fp32 = weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-    return "exact" if on_cpu_fp32 and exact_family(target) else "stock"
+    if weight is None or weight.device.type != "cpu" or not exact_family(target):
+        return "stock"
+    return {torch.float32: "exact", torch.bfloat16: "exact-bf16"}.get(weight.dtype, "stock")
 
 
 def kernels_of(model: nn.Module) -> str:
