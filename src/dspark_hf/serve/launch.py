@@ -28,6 +28,7 @@ def load_app(
     lookup=None,
     cuda_graphs: bool | None = None,
     compiled: bool | None = None,
+    max_prefill_tokens: int = 512,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -48,6 +49,8 @@ def load_app(
         lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]).
         cuda_graphs (`bool`, *optional*): the draft step as a CUDA graph (see [`DSparkEngine`]).
         compiled (`bool`, *optional*): the drafting round as compiled calls where eligible (see [`DSparkEngine`]).
+        max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per engine step (see
+            [`DSparkEngine`]).
 
     Returns:
         `fastapi.FastAPI`
@@ -73,6 +76,7 @@ def load_app(
             lookup=lookup,
             cuda_graphs=cuda_graphs,
             compiled=compiled,
+            max_prefill_tokens=max_prefill_tokens,
         )
 
     # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
