@@ -184,3 +184,11 @@ def test_missing_drafts_package_names_it_in_one_line(saved_pair, monkeypatch, ca
     argv = ["generate", "hi", "--target", str(saved_pair / "target"), "--draft", "smollm2-135m-dspark"]
     code, _, err = _run([*argv, "--max-new-tokens", "2", "--repeats", "1"], capsys)
     _assert_one_line_error(code, err, "'smollm2-135m-dspark'", "dspark-hf-drafts", "`pip install -e ./drafts`")
+
+
+@pytest.mark.parametrize("flag", ["--max-batch-size", "--max-prefill-tokens"])
+def test_serve_refuses_a_budget_below_one_before_loading(flag, capsys, no_network):
+    start = time.perf_counter()
+    code, _, err = _run(["serve", flag, "0"], capsys)
+    _assert_one_line_error(code, err, flag, "must be >= 1")
+    assert time.perf_counter() - start < 5  # checked before the model load
