@@ -692,9 +692,9 @@ inline void score_keys16(const float* q, const float* kb, int64_t kstride, int64
     __m512 acc[16];
     for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
     const float* k0 = kb + j0 * kstride;
-    if (m == 16) {
-      for (int c = 0; c < C; ++c)
-        for (int kk = 0; kk < 16; ++kk)
+    if (m == 16) {  // key by key (their rows in address order), each key's chunks in order
+      for (int kk = 0; kk < 16; ++kk)
+        for (int c = 0; c < C; ++c)
           acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * kstride + 16 * c), acc[kk]);
       _mm512_storeu_ps(out + j0, reduce_keys16(acc));
     } else {
