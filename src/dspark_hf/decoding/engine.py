@@ -4,24 +4,26 @@ A round ([`DSparkEngine.step`]) does, for all active requests at once:
 
 1. **admit** queued requests while fewer than `max_batch_size` are active and their KV reservations
    (prompt + `max_new_tokens`) fit in `max_tokens`; an admitted request is **prefilled** in chunks: each round
-   gives the prefilling requests, oldest first, at most `max_prefill_tokens` prompt tokens in all (one batched
-   target forward over their next chunks, no drafts, after the decoding requests' round), so a long prompt
-   is ingested over several rounds while the others keep decoding; a request emits its first token when its
-   last chunk is in, and decodes from the next round on;
+   gives the prefilling requests, oldest first, at most `max_prefill_tokens` prompt tokens in all (on the
+   exact kernels riding in the decoding round's forward, else one batched target forward of their own after
+   it), so a long prompt is ingested over several rounds while the others keep decoding; a request emits its
+   first token when its last chunk is in, and decodes from the next round on;
 2. **propose**: the [`Speculator`] (`dspark_hf.decoding.speculator`, the same round `generate()` runs with one
    row) proposes for every decoding request at once: the requests' prompt-lookup copies where they pay, else
    one batched draft (backbone, then the sequential head with each request's own processors and generator),
    with each request's verification length `ℓ_r` from the policy over the batch's survival matrix `[R, γ]`;
-3. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (padded or packed, see
-   `dspark_hf.decoding.target_forward`), then per-request acceptance (greedy, or exact rejection sampling);
+3. **verify**: ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]` (on the exact kernels
+   unpadded, each row over its own KV slot; else padded or packed, see `dspark_hf.decoding.target_forward`),
+   then per-request acceptance (greedy, or exact rejection sampling);
 4. **commit**: each request's length in its KV slot advances by its committed tokens (rejected drafts stay
    beyond it, masked, until overwritten: that is the rollback), their target features wait for the draft's
    next drafting round (a round that does not draft never runs the draft), and accepted tokens are emitted
    with incrementally decoded text. Finished requests free their reservations, which lets queued ones in.
 
 Every active request owns one slot of two preallocated stores (`dspark_hf.decoding.caches.SlotKV`, target
-and draft): the padded verification forward reads the batch's past as views and writes new keys/values in
-place at each row's own positions, with masks and positions built on the device from the rows' lengths.
+and draft): the unpadded forward of the exact kernels reads each row's past from its slot and writes its new
+keys/values there in place; the padded one reads the batch's past as views and writes in place at each row's
+own positions, with masks and positions built on the device from the rows' lengths.
 
 Exactness does not depend on batching or on chunking: every request sees exactly its own context (masks and
 position ids), and a chunk attends to its request's cached keys and, causally, to itself, so greedy output
@@ -108,8 +110,8 @@ class DSparkEngine:
         max_tokens (`int`, *optional*): KV budget in tokens; a request reserves `prompt + max_new_tokens`
             while active. Defaults to `max_batch_size ×` the target's context length.
         max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per round, over
-            all prefilling requests (oldest first; padding included; a longer prompt is prefilled in chunks over
-            several rounds). It bounds how long one round's prefill holds up the decoding requests (their
+            all prefilling requests (oldest first; in a padded forward, padding included; a longer prompt is
+            prefilled in chunks over several rounds). It bounds how long one round's prefill holds up the decoding requests (their
             inter-token latency under load) at the price of more rounds until a long prompt's first token; any
             value gives the same output.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
@@ -124,9 +126,11 @@ class DSparkEngine:
             so a request's greedy output is token-identical *by construction* to plain `generate()` on the
             same kernels (`dspark_kernels="exact"`), at every prompt length: the exact kernels compute a
             prefill's rows as decoding does, so the engine's chunks and `generate()`'s one-shot prefill give
-            the same keys, values and logits; the rounds run the padded layout. Defaults to the draft's own
-            default, then the library's (`dspark_hf.kernels.default_kernels`). The models are switched while the
-            engine has work and switched back when it is idle.
+            the same keys, values and logits; the forwards run unpadded, each row over its own KV slot
+            (`dspark_hf.decoding.target_forward.varlen_target_forward`; the padded layout where hooks rule
+            the compiled stack out). Defaults to the draft's own default, then the library's
+            (`dspark_hf.kernels.default_kernels`: a bfloat16 target's is `"exact-bf16"`). The models are
+            switched while the engine has work and switched back when it is idle.
         cuda_graphs (`bool`, *optional*): run the draft step (backbone, sequential head, confidence) as a
             captured CUDA graph in rounds whose rows are all greedy without logits processors (other rounds run
             it eagerly); unset, the draft's default, else on for a CUDA draft. See `dspark_hf.decoding.draft_graphs`
