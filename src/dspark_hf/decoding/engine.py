@@ -111,9 +111,9 @@ class DSparkEngine:
             while active. Defaults to `max_batch_size ×` the target's context length.
         max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per round, over
             all prefilling requests (oldest first; in a padded forward, padding included; a longer prompt is
-            prefilled in chunks over several rounds). It bounds how long one round's prefill holds up the decoding requests (their
-            inter-token latency under load) at the price of more rounds until a long prompt's first token; any
-            value gives the same output.
+            prefilled in chunks over several rounds). It bounds how long one round's prefill holds up the
+            decoding requests (their inter-token latency under load) at the price of more rounds until a long
+            prompt's first token; any value gives the same output.
         layout (`str`, *optional*, defaults to `"auto"`): layout of the ragged target forwards: `"padded"`,
             `"packed"`, or `"auto"` to pick the cheaper per forward from a cost model (see
             `dspark_hf.decoding.target_forward` and `docs/engine.md` for which is faster where).
@@ -316,12 +316,12 @@ class DSparkEngine:
             # switching a model's kernels walks its modules (milliseconds): done once per busy period, not per round
             self._kernel_scope = contextlib.ExitStack()
             self._kernel_scope.enter_context(use_kernels(self.target, self.draft, mode=self.kernels))
+        stack = self._varlen_stack()  # once per step: every forward of the step runs unpadded, or none does
         if decoding:
-            shared = prefilling and self._varlen_stack() is not None
-            self._decode_round(decoding, events, prefilling if shared else ())
-            prefilling = [] if shared else prefilling
+            self._decode_round(decoding, events, stack, prefilling if stack is not None else ())
+            prefilling = [] if stack is not None else prefilling
         if prefilling:
-            self._prefill(prefilling, events)
+            self._prefill(prefilling, events, stack)
         self._compact()  # finished requests' slots (and, when idle, the buffers) are given back now
         if not self._active and not self._queue:
             self.release_kernels()
@@ -438,13 +438,12 @@ class DSparkEngine:
         """Whether `req`'s prompt is all in its KV slot (it takes part in decoding rounds)."""
         return req.prefilled == len(req.prompt)
 
-    def _prefill(self, reqs: list[Request], events: list[StreamEvent]) -> None:
+    def _prefill(self, reqs: list[Request], events: list[StreamEvent], stack) -> None:
         """One chunk of prefill: the prefilling requests' next prompt tokens, oldest request first, at most
         `max_prefill_tokens` in all (counting the padding of a padded forward), in ONE target forward over their
         cached chunks so far (each chunk attends to its request's committed keys and causally to itself, as the
         one-shot prefill of the prompt would). A request whose last chunk this is gets its first token."""
         start = time.perf_counter()
-        stack = self._varlen_stack()
         rows, chunks = self._prefill_chunks(reqs, stack)
         keep = [[len(c) - 1] for c in chunks]
         if stack is not None:  # written into the slots in place
@@ -462,10 +461,10 @@ class DSparkEngine:
     def _prefill_chunks(self, reqs: list[Request], stack) -> tuple[list[Request], list[list[int]]]:
         """The requests of this round's prefill and their chunks: oldest request first, at most
         `max_prefill_tokens` tokens in all (a padded forward counts its padding: rows x width)."""
-        budget, rows, chunks, width = self.max_prefill_tokens, [], [], 0
+        budget, rows, chunks, width, used = self.max_prefill_tokens, [], [], 0, 0
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
             if self.layout == "packed" or stack is not None:  # no padding: the budget is the tokens themselves
-                n = min(len(req.prompt) - req.prefilled, budget - sum(map(len, chunks)))
+                n = min(len(req.prompt) - req.prefilled, budget - used)
             else:  # a padded forward computes every row as long as its longest: rows x width within the budget
                 n = min(len(req.prompt) - req.prefilled, budget // (len(rows) + 1))
                 if (len(rows) + 1) * width > budget:
@@ -474,7 +473,7 @@ class DSparkEngine:
                 break
             rows.append(req)
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
-            width = max(width, n)
+            width, used = max(width, n), used + n
         return rows, chunks
 
     def _prefilled(self, rows: list[Request], chunks: list[list[int]], out, events: list[StreamEvent]) -> None:
@@ -501,30 +500,31 @@ class DSparkEngine:
         m.prefill_chunks += len(chunks)
         m.prefill_tokens += sum(map(len, chunks))
 
-    def _decode_round(self, reqs: list[Request], events: list[StreamEvent], prefilling=()) -> None:
+    def _decode_round(self, reqs: list[Request], events: list[StreamEvent], stack, prefilling=()) -> None:
         """One round: the speculator proposes (copies, a drafted block, or nothing), ONE target forward verifies
-        every row, each row accepts and commits, and the speculator learns the outcome. With `prefilling` requests
-        and the unpadded forward, their next prefill chunks ride in the same forward (one pass over the weights)."""
+        every row, each row accepts and commits, and the speculator learns the outcome. With the unpadded forward
+        (`stack`, [`_varlen_stack`]'s), the `prefilling` requests' next chunks ride in the same forward (one pass
+        over the weights)."""
         t0 = time.perf_counter()
         # the round always emits one target token, so at most `remaining - 1` drafts can be useful
         budgets = [max(0, min(self.gamma, r.max_new - len(r.tokens) - 1)) for r in reqs]
         proposal = self._propose(reqs, budgets)
         t1 = time.perf_counter()
         rows = [[r.tokens[-1]] + d[:n] for r, d, n in zip(reqs, proposal.tokens, proposal.lengths)]
-        stack = self._varlen_stack() if prefilling else None
         riding, riding_seconds = 0, 0.0  # prefill tokens in this round's forward, and their share of its time
-        if stack is not None:  # decoding rows and prefill chunks in one unpadded forward
-            prows, chunks = self._prefill_chunks(prefilling, stack)
+        if stack is not None:  # one unpadded forward: the decoding rows, and the prefill chunks riding along
+            prows, chunks = self._prefill_chunks(prefilling, stack) if prefilling else ([], [])
             keep = [list(range(len(row))) for row in rows] + [[len(c) - 1] for c in chunks]
             slots = [r.kv.slot for r in [*reqs, *prows]]
             both = varlen_target_forward(self.target, stack, self._kv, slots, rows + chunks, keep, self.layer_ids)
             self.metrics.layout_counts[both.layout] += 1
             out, pout = both.split(len(reqs))
-            self._prefilled(prows, chunks, pout, events)
-            riding = sum(map(len, chunks))
-            riding_seconds = (time.perf_counter() - t1) * riding / (riding + sum(map(len, rows)))
-            self.metrics.prefill_forwards += 1  # (a forward shared with decoding rows: its share of the time)
-            self.metrics.prefill_seconds += riding_seconds
+            if chunks:
+                self._prefilled(prows, chunks, pout, events)
+                riding = sum(map(len, chunks))
+                riding_seconds = (time.perf_counter() - t1) * riding / (riding + sum(map(len, rows)))
+                self.metrics.prefill_forwards += 1  # (a forward shared with decoding rows: its share of the time)
+                self.metrics.prefill_seconds += riding_seconds
         else:
             out = self._target_forward(reqs, rows)
         copied = proposal.source == "lookup"
@@ -575,15 +575,9 @@ class DSparkEngine:
         return sample_block(self.draft, hidden, base, anchors, sampler, guessed_path=self.options.guessed_path)
 
     def _target_forward(self, reqs: list[Request], rows: list[list[int]]):
-        """ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]`, in the round's layout."""
+        """ONE target forward over the ragged rows `[anchor_r, x_1..x_ℓ_r]`, padded or packed (where the unpadded
+        forward of the exact kernels cannot run)."""
         keep = [list(range(len(row))) for row in rows]
-        stack = self._varlen_stack()
-        if stack is not None:  # the exact kernels: packed rows, no padding, no mask
-            out = varlen_target_forward(
-                self.target, stack, self._kv, [r.kv.slot for r in reqs], rows, keep, self.layer_ids
-            )
-            self.metrics.layout_counts[out.layout] += 1
-            return out
         layout = self.layout
         if layout == "auto":
             layout = choose_layout(self._kv.lengths[: len(reqs)], list(map(len, rows)), self._linear_cost)
