@@ -178,21 +178,37 @@ def test_engine_gives_each_request_plain_decoding_in_the_mode(policy):
     assert compared > 40
 
 
+def _rounded_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention (the reference's inputs have no padding) over keys and values rounded to bf16, the mode's
+    KV precision; torch's SDPA in float32."""
+    rep = query.shape[1] // key.shape[1]
+    key = key.bfloat16().float().repeat_interleave(rep, dim=1)
+    value = value.bfloat16().float().repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _bf16_reference_logits(target, ids):
     """The target's logits with every linear computed as `F.linear` of bf16-rounded input and weight, in float64
-    sums (everything else as the stock float32 model computes it)."""
+    sums, and attention over keys and values rounded to bf16 (everything else as the stock float32 model computes
+    it)."""
+    from transformers import AttentionInterface
 
     def rounded(self, x):
         w, b = self.weight.bfloat16().double(), None if self.bias is None else self.bias.double()
         return F.linear(x.bfloat16().double(), w, b).float()
 
+    AttentionInterface.register("test_rounded_kv", _rounded_kv_attention)
+    previous = target.config._attn_implementation
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     try:
+        target.set_attn_implementation("test_rounded_kv")
         for m in linears:
             m.forward = rounded.__get__(m)
         with torch.no_grad():
             return target(input_ids=ids).logits
     finally:
+        target.set_attn_implementation(previous)
         for m in linears:
             del m.forward
 
@@ -218,7 +234,7 @@ def test_the_mode_runs_bf16_linears(arch):
     # elements by one bf16 step)
     reference = (logits[MODE] - _bf16_reference_logits(target, ids)).abs()
     assert reference.mean() < 0.05 * diff.mean()
-    assert (reference < 1e-4).float().mean() > 0.9
+    assert (reference < 1e-4).float().mean() > 0.85  # measured: 0.90 (llama), 0.99 (qwen3); fp32 mode: 0.006
 
 
 @torch.no_grad()

@@ -301,8 +301,9 @@ def _attn_out(fn, L, x, q, k, v):
 
 
 def test_attn_in_and_attn_out_bf16_are_their_kernels_composed():
-    # the bf16 layer halves run the same float32 steps as attn_in / attn_out around bf16 projections: composing
-    # linear_bf16 with the float32 kernels gives the same bits (the residual adds included)
+    # the bf16 layer halves run the same float32 steps as attn_in / attn_out around bf16 projections, with the
+    # keys (after the rotation) and values rounded to bf16 as torch rounds: composing linear_bf16 with the float32
+    # kernels gives the same bits (the residual adds included)
     c, L = _compiled(), _layer()
     T, past = 12, 5
     gen = torch.Generator().manual_seed(9)
@@ -313,7 +314,10 @@ def test_attn_in_and_attn_out_bf16_are_their_kernels_composed():
     q2 = c.rope(linear_bf16(h, L["wq"], L["bq"])[None], cos, sin, L["hq"])
     k2 = c.rope(linear_bf16(h, L["wk"])[None], cos, sin, L["hkv"])
     v2 = linear_bf16(h, L["wv"]).view(1, T, L["hkv"], L["D"]).transpose(1, 2)
-    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+    assert torch.equal(q, q2)
+    assert not torch.equal(k, k2) and not torch.equal(v, v2)  # rounded: the float32 values are not bf16 ones
+    assert torch.equal(k, k2.bfloat16().float()) and torch.equal(v, v2.bfloat16().float())
+    assert torch.equal(k, _attn_in("attn_in_bf16", L, x, cos, sin)[1].bfloat16().float())  # idempotent
     assert not torch.equal(q, _attn_in("attn_in", L, x, cos, sin)[0])  # the float32 one differs
     rows = x[past:]
     out = _attn_out("attn_out_bf16", L, rows, q[:, :, past:], k, v)
@@ -365,3 +369,25 @@ def test_bf16_copies_are_half_the_bytes_follow_updates_and_go_with_their_weights
     y, w2, _ = _data(33, 10, rows=2)
     linear_bf16(y, w2)
     assert compiled.pack_release() == 48 * 17 * 2 * 2 and compiled.pack_bytes() == 0  # K = 33: 17 pairs
+
+
+def test_attention_reads_bf16_keys_and_values_as_their_float32_values():
+    # the exact-bf16 mode's KV cache holds bf16: attention and attention_segments over bf16 buffers give the bits
+    # they give over float32 buffers holding the same (rounded) values, and not those of the unrounded values
+    c = _compiled()
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, D, n, past = 6, 2, 64, 7, 33
+    q = torch.randn(1, hq, n, D, generator=gen)
+    k = torch.randn(1, hkv, past + n, D, generator=gen)
+    v = torch.randn(1, hkv, past + n, D, generator=gen)
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    scale, causal = D**-0.5, torch.empty(0, dtype=torch.bool)
+    want = c.attention(q, k16.float(), v16.float(), causal, scale)
+    assert torch.equal(c.attention(q, k16, v16, causal, scale), want)
+    assert not torch.equal(c.attention(q, k, v, causal, scale), want)
+    kb, vb = torch.zeros(3, hkv, 64, D, dtype=torch.bfloat16), torch.zeros(3, hkv, 64, D, dtype=torch.bfloat16)
+    kb[2, :, : past + n], vb[2, :, : past + n] = k16[0], v16[0]
+    got = c.attention_segments(q, kb, vb, [2], [past], [n], scale)
+    assert torch.equal(got, want.reshape(n, hq * D))
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        c.attention(q, k16, v, causal, scale)

@@ -320,7 +320,8 @@ def varlen_target_forward(
     if not store.allocated:
         heads, dim = config.num_key_value_heads, getattr(config, "head_dim", None)
         dim = dim or config.hidden_size // config.num_attention_heads
-        like = [(torch.empty(1, heads, 1, dim), torch.empty(1, heads, 1, dim))] * config.num_hidden_layers
+        dtype = torch.bfloat16 if stack[2] else torch.float32  # exact-bf16: keys and values are bf16 values
+        like = [(torch.empty(1, heads, 1, dim, dtype=dtype),) * 2] * config.num_hidden_layers
         store.reserve(max(p + n for p, n in zip(pasts, lens)), like=like)
     else:
         store.reserve(max(p + n for p, n in zip(pasts, lens)))

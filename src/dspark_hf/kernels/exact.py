@@ -10,7 +10,10 @@
 
 In the exact-bf16 mode (`exact_kernels(..., bf16=True)`) the same swaps are made with the bf16 GEMM in every
 linear: [`exact_linear_forward_bf16`], [`exact_functional_linear_bf16`] and lean layers whose compiled calls are
-`attn_in_bf16` / `attn_out_bf16` (the layer stack's `stack_run(..., bf16=True)`).
+`attn_in_bf16` / `attn_out_bf16` (the layer stack's `stack_run(..., bf16=True)`). Its keys and values are held at
+bfloat16 precision: the compiled calls round them when they compute them, and the models' attention is
+[`exact_attention_forward_bf16`] (`"dspark_exact_bf16"`), which rounds what it is given, so every path attends over
+the same values (the engine stores them in bfloat16: half the bytes of its KV cache).
 
 Every swap is an instance-bound method on the module it changes; nothing is written into modules that are not
 swapped, and the block's end removes every swap it made. Models or modules already in the exact mode (an enclosing
@@ -43,6 +46,7 @@ from .lean import (
 from .lean_model import lean_model_eligible, make_lean_model, unmake_lean_model
 from .ops import (
     EXACT_ATTENTION,
+    EXACT_ATTENTION_BF16,
     exact_functional_linear,
     exact_functional_linear_bf16,
     exact_linear_forward,
@@ -85,11 +89,12 @@ class _Swaps:
 
     def apply(self, model: nn.Module) -> None:
         current = tf.attn_implementation(model)
-        if current is not None and current != EXACT_ATTENTION and tf.supports_attention_backend(model):
-            model.set_attn_implementation(EXACT_ATTENTION)
+        wanted = EXACT_ATTENTION_BF16 if self.bf16 else EXACT_ATTENTION
+        if current is not None and current != wanted and tf.supports_attention_backend(model):
+            model.set_attn_implementation(wanted)
             self.attention.append((model, current))
         compiled = backend() is not None
-        exact_attention = tf.attn_implementation(model) == EXACT_ATTENTION
+        exact_attention = tf.attn_implementation(model) == wanted
         lean = [m for m in model.modules() if lean_eligible(m)] if compiled and exact_attention else []
         for module in model.modules():
             if linear_eligible(module):

@@ -603,6 +603,46 @@ int64_t pack_release() {
 }
 
 // ------------------------------------------------------------------------------------------- attention
+// Keys and values are read as float32 from float32 buffers or from bfloat16 ones (uint16_t bits; the exact-bf16
+// mode's KV cache): a bf16 value widens to float32 exactly, so the same values give the same bits from either.
+inline float kv_value(const float* p) { return *p; }
+inline float kv_value(const uint16_t* p) { return bf16_value(*p); }
+inline gvec kv_load(const float* p) { return gload(p); }
+inline gvec kv_load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(DSPARK_AVX2)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
+  alignas(32) float tmp[GV];
+  for (int l = 0; l < GV; ++l) tmp[l] = bf16_value(p[l]);
+  return gload(tmp);
+#endif
+}
+#if defined(__AVX512F__)
+inline __m512 kv_load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv_load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// float32 -> bf16 bits as torch's conversion (`tensor.to(torch.bfloat16)`) rounds: to nearest even, denormals kept;
+// a NaN becomes a NaN. The exact-bf16 mode rounds every key and value it computes to a bf16 value this way.
+inline uint16_t kv_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Rounds every element of a float32 tensor to its bf16 value, in place (parallel; element by element).
+void round_to_bf16_(torch::Tensor t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "exact round_to_bf16_: contiguous float32");
+  float* p = t.data_ptr<float>();
+  at::parallel_for(0, t.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) p[i] = bf16_value(kv_bits(p[i]));
+  });
+}
 // A query's raw score against a key over the head dimension D: 16 partial sums, lane l the fma chain over
 // d = l, l + 16, l + 32, ... in ascending order (a zero-padded last chunk), then one fixed tree over the 16 lanes:
 // u[l] = p[l] + p[l + 8], v[l] = u[l] + u[l + 4], w[l] = v[l] + v[l + 2], score = w[0] + w[1]. The AVX-512 build
@@ -683,24 +723,24 @@ inline __m512 reduce_keys16(const __m512* a) {
 }
 
 // Raw scores of one query against keys 0 .. n - 1 (key j at kb + j * kstride), C = D / 16 chunks held in registers.
-template <int C>
-inline void score_keys16(const float* q, const float* kb, int64_t kstride, int64_t n, float* out) {
+template <int C, typename T>
+inline void score_keys16(const float* q, const T* kb, int64_t kstride, int64_t n, float* out) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
     __m512 acc[16];
     for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
-    const float* k0 = kb + j0 * kstride;
+    const T* k0 = kb + j0 * kstride;
     if (m == 16) {  // key by key (their rows in address order), each key's chunks in order
       for (int kk = 0; kk < 16; ++kk)
         for (int c = 0; c < C; ++c)
-          acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * kstride + 16 * c), acc[kk]);
+          acc[kk] = _mm512_fmadd_ps(qv[c], kv_load16(k0 + kk * kstride + 16 * c), acc[kk]);
       _mm512_storeu_ps(out + j0, reduce_keys16(acc));
     } else {
       for (int c = 0; c < C; ++c)
         for (int kk = 0; kk < m; ++kk)
-          acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * kstride + 16 * c), acc[kk]);
+          acc[kk] = _mm512_fmadd_ps(qv[c], kv_load16(k0 + kk * kstride + 16 * c), acc[kk]);
       _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), reduce_keys16(acc));
     }
   }
@@ -708,17 +748,18 @@ inline void score_keys16(const float* q, const float* kb, int64_t kstride, int64
 #endif
 
 // Raw scores of one query (q, D floats) against keys 0 .. n - 1.
-inline void score_keys(const float* q, const float* kb, int64_t kstride, int64_t n, int64_t D, float* out) {
+template <typename T>
+inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, int64_t D, float* out) {
 #if defined(__AVX512F__)
   if (D == 64) return score_keys16<4>(q, kb, kstride, n, out);
   if (D == 128) return score_keys16<8>(q, kb, kstride, n, out);
 #endif
   // the chains lane by lane (a skipped padded lane is the fma with zeros: the chains start at +0 and never reach -0)
   for (int64_t j = 0; j < n; ++j) {
-    const float* kr = kb + j * kstride;
+    const T* kr = kb + j * kstride;
     float part[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t d0 = 0; d0 < D; d0 += 16)
-      for (int64_t l = 0; l < 16 && d0 + l < D; ++l) part[l] = std::fma(q[d0 + l], kr[d0 + l], part[l]);
+      for (int64_t l = 0; l < 16 && d0 + l < D; ++l) part[l] = std::fma(q[d0 + l], kv_value(kr + d0 + l), part[l]);
     out[j] = tree16(part);
   }
 }
@@ -741,13 +782,13 @@ inline void exp_weights(const float* s, float mx, int64_t n, float* p) {
 // The weighted sums of Q queries' values over the keys all of them see (j < jn, no key hidden from any of them):
 // for each key in ascending order, denom[r] += p[r][j] and acc[r][d] = fma(p[r][j], v[j, d], acc[r][d]). Each query's
 // chains are its own (the values are loaded once for the Q queries); NV vectors of GV lanes per value row.
-template <int NV, int Q>
-inline void weighted_values_shared(const float* const* p, int64_t jn, const float* vb, int64_t vstride, gvec (*acc)[NV],
+template <int NV, int Q, typename T>
+inline void weighted_values_shared(const float* const* p, int64_t jn, const T* vb, int64_t vstride, gvec (*acc)[NV],
                                    float* denom) {
   for (int64_t j = 0; j < jn; ++j) {
-    const float* vj = vb + j * vstride;
+    const T* vj = vb + j * vstride;
     gvec vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = gload(vj + c * GV);
+    for (int c = 0; c < NV; ++c) vv[c] = kv_load(vj + c * GV);
     for (int r = 0; r < Q; ++r) {
       const float pr = p[r][j];
       denom[r] = denom[r] + pr;
@@ -758,15 +799,15 @@ inline void weighted_values_shared(const float* const* p, int64_t jn, const floa
 }
 
 // One query's weighted sum continued over keys j0 .. jend - 1 it sees (seen[j]), then divided by the denominator.
-template <int NV>
-inline void weighted_values_rest(const float* p, const char* seen, int64_t j0, int64_t jend, const float* vb,
+template <int NV, typename T>
+inline void weighted_values_rest(const float* p, const char* seen, int64_t j0, int64_t jend, const T* vb,
                                  int64_t vstride, gvec* acc, float denom, float* oi) {
   for (int64_t j = j0; j < jend; ++j) {
     if (!seen[j]) continue;
     denom = denom + p[j];
     const gvec pv = gset1(p[j]);
-    const float* vj = vb + j * vstride;
-    for (int c = 0; c < NV; ++c) acc[c] = gfma(pv, gload(vj + c * GV), acc[c]);
+    const T* vj = vb + j * vstride;
+    for (int c = 0; c < NV; ++c) acc[c] = gfma(pv, kv_load(vj + c * GV), acc[c]);
   }
   alignas(64) float tmp[GV];
   for (int c = 0; c < NV; ++c) {
@@ -776,24 +817,25 @@ inline void weighted_values_rest(const float* p, const char* seen, int64_t j0, i
 }
 
 // Any head dimension: the same chains, one lane at a time.
-inline void weighted_values_any(const float* p, const char* seen, int64_t jend, const float* vb, int64_t vstride,
+template <typename T>
+inline void weighted_values_any(const float* p, const char* seen, int64_t jend, const T* vb, int64_t vstride,
                                 int64_t D, float* oi) {
   float denom = 0.f;
   for (int64_t d = 0; d < D; ++d) oi[d] = 0.f;
   for (int64_t j = 0; j < jend; ++j) {
     if (!seen[j]) continue;
     denom = denom + p[j];
-    const float* vj = vb + j * vstride;
-    for (int64_t d = 0; d < D; ++d) oi[d] = std::fma(p[j], vj[d], oi[d]);
+    const T* vj = vb + j * vstride;
+    for (int64_t d = 0; d < D; ++d) oi[d] = std::fma(p[j], kv_value(vj + d), oi[d]);
   }
   for (int64_t d = 0; d < D; ++d) oi[d] = oi[d] / denom;
 }
 
 // The values of a unit's queries: groups of up to four queries share the loads of the keys all of them see, then
 // each finishes alone. Only with NV * GV == D.
-template <int NV>
+template <int NV, typename T>
 void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const int64_t* jend, const int64_t* jfull,
-                 const bool* live, const float* vb, int64_t vstride, float* const* outr) {
+                 const bool* live, const T* vb, int64_t vstride, float* const* outr) {
   for (int64_t g = 0; g < nq; g += 4) {
     const int64_t gn = std::min<int64_t>(4, nq - g);
     int64_t jn = std::numeric_limits<int64_t>::max();
@@ -804,16 +846,16 @@ void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const i
       for (int c = 0; c < NV; ++c) acc[r][c] = gzero();
     const float* pg[4] = {pr[g], gn > 1 ? pr[g + 1] : nullptr, gn > 2 ? pr[g + 2] : nullptr, gn > 3 ? pr[g + 3] : nullptr};
     if (jn > 0) {
-      if (gn == 4) weighted_values_shared<NV, 4>(pg, jn, vb, vstride, acc, denom);
-      else if (gn == 3) weighted_values_shared<NV, 3>(pg, jn, vb, vstride, acc, denom);
-      else if (gn == 2) weighted_values_shared<NV, 2>(pg, jn, vb, vstride, acc, denom);
-      else weighted_values_shared<NV, 1>(pg, jn, vb, vstride, acc, denom);
+      if (gn == 4) weighted_values_shared<NV, 4, T>(pg, jn, vb, vstride, acc, denom);
+      else if (gn == 3) weighted_values_shared<NV, 3, T>(pg, jn, vb, vstride, acc, denom);
+      else if (gn == 2) weighted_values_shared<NV, 2, T>(pg, jn, vb, vstride, acc, denom);
+      else weighted_values_shared<NV, 1, T>(pg, jn, vb, vstride, acc, denom);
     } else {
       jn = 0;
     }
     for (int64_t r = g; r < g + gn; ++r) {
       if (!live[r]) continue;
-      weighted_values_rest<NV>(pr[r], seenr[r], jn, jend[r], vb, vstride, acc[r - g], denom[r - g], outr[r]);
+      weighted_values_rest<NV, T>(pr[r], seenr[r], jn, jend[r], vb, vstride, acc[r - g], denom[r - g], outr[r]);
     }
   }
 }
@@ -841,8 +883,9 @@ struct AttnScratch {
 // the weighted sum of the visible keys' values in ascending key order, divided by the sum of p accumulated in the
 // same order (a query that sees nothing: zeros). Which queries share a unit (and share loads) never changes the
 // operations of one query.
-void attend_unit(int64_t nq, AttnScratch& a, const float* kb, int64_t kstride, const float* vb, int64_t vstride,
-                 int64_t D, float sc) {
+template <typename T>
+void attend_unit(int64_t nq, AttnScratch& a, const T* kb, int64_t kstride, const T* vb, int64_t vstride, int64_t D,
+                 float sc) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t e = a.jend[r];
     const char* sr = a.seen_row(r);
@@ -864,9 +907,9 @@ void attend_unit(int64_t nq, AttnScratch& a, const float* kb, int64_t kstride, c
   }
   const bool* live = reinterpret_cast<const bool*>(a.live.data());
   if (D == 4 * GV)
-    unit_values<4>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
+    unit_values<4, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
   else if (D == 8 * GV)
-    unit_values<8>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
+    unit_values<8, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
   else
     for (int64_t r = 0; r < nq; ++r)
       if (live[r]) weighted_values_any(a.pr[r], a.seenr[r], a.jend[r], vb, vstride, D, a.outr[r]);
@@ -881,9 +924,22 @@ constexpr int64_t kUnitPositions = 4;  // query positions per attention unit (wi
 // Work is split into units of one (batch, key/value head) and up to four consecutive query positions, with all
 // the query heads that share the key/value head (attend_unit), over the threads; a query's output depends only on
 // it and the keys and values it sees.
+// The keys and values of one call: float32, or bfloat16 (both).
+bool kv_bf16(const torch::Tensor& k, const torch::Tensor& v, const char* what) {
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || k.scalar_type() == at::kFloat) && v.scalar_type() == k.scalar_type(), what,
+              ": keys and values both float32 or both bfloat16");
+  return bf16;
+}
+
+template <typename T>
+const T* kv_data(const torch::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "exact attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "exact attention: float32 queries");
+  const bool bf16 = kv_bf16(k, v, "exact attention");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "exact attention: 4-d q, k, v");
   if (q.stride(3) != 1) q = q.contiguous();
   if (k.stride(3) != 1) k = k.contiguous();
@@ -901,8 +957,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   }
   auto out = torch::empty({B, Lq, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool* mp = has_mask ? m.data_ptr<bool>() : nullptr;
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
@@ -910,6 +964,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t ms2 = has_mask ? m.stride(2) : 0, ms3 = has_mask ? m.stride(3) : 0;
   const float sc = static_cast<float>(scale);
   const int64_t groups = (Lq + kUnitPositions - 1) / kUnitPositions;
+  auto run = [&](auto kp, auto vp) {
   at::parallel_for(0, B * Hkv * groups, 1, [&](int64_t begin, int64_t end) {
     AttnScratch a(kUnitPositions * rep, std::max<int64_t>(Lk, 1));
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -941,6 +996,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
       attend_unit(nq, a, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], D, sc);
     }
   });
+  };
+  if (bf16) run(kv_data<uint16_t>(k), kv_data<uint16_t>(v));
+  else run(kv_data<float>(k), kv_data<float>(v));
   return out;
 }
 
@@ -951,8 +1009,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 // sequence's rows give the bits they give in a [B, Hq, L, D] call with a mask, whatever else is packed beside them.
 torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Tensor vbuf, const std::vector<int64_t>& slots,
                                  const std::vector<int64_t>& pasts, const std::vector<int64_t>& lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kbuf.scalar_type() == at::kFloat && vbuf.scalar_type() == at::kFloat,
-              "exact attention_segments: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "exact attention_segments: float32 queries");
+  const bool bf16 = kv_bf16(kbuf, vbuf, "exact attention_segments");
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && kbuf.dim() == 4 && vbuf.sizes() == kbuf.sizes(),
               "exact attention_segments: q [1, Hq, N, D], kbuf and vbuf [slots, Hkv, capacity, D]");
   TORCH_CHECK(kbuf.stride(3) == 1 && vbuf.stride(3) == 1, "exact attention_segments: contiguous head dim");
@@ -980,12 +1038,11 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
   for (int64_t s = 0; s < S; ++s) offset[s + 1] = offset[s] + lens[s];
   auto out = torch::empty({N, Hq * D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = kbuf.data_ptr<float>();
-  const float* vp = vbuf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const auto qs = q.strides(), ks = kbuf.strides(), vs = vbuf.strides();
   const float sc = static_cast<float>(scale);
   const int64_t units = static_cast<int64_t>(unit_seg.size());
+  auto run = [&](auto kp, auto vp) {
   at::parallel_for(0, units * Hkv, 1, [&](int64_t begin, int64_t end) {
     AttnScratch a(kUnitPositions * rep, widest);
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -1003,6 +1060,9 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
       attend_unit(nq, a, kp + slots[s] * ks[0] + hk * ks[1], ks[2], vp + slots[s] * vs[0] + hk * vs[1], vs[2], D, sc);
     }
   });
+  };
+  if (bf16) run(kv_data<uint16_t>(kbuf), kv_data<uint16_t>(vbuf));
+  else run(kv_data<float>(kbuf), kv_data<float>(vbuf));
   return out;
 }
 
@@ -1106,7 +1166,7 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 // calls per layer and, with the projections sharing one parallel region, five of the seven fork/joins.
 
 // Pre-attention half: RMSNorm, the q/k/v projections, Qwen3's per-head q/k RMSNorm when its weights are given,
-// rotary embedding. x [M = B * L, W]; returns q [B, Hq, L, D], k [B, Hkv, L, D] and v [B, Hkv, L, D] (a view).
+// rotary embedding; in the bf16 modes the keys and values are then rounded to bf16 values. x [M = B * L, W]; returns q [B, Hq, L, D], k [B, Hkv, L, D] and v [B, Hkv, L, D] (a view).
 namespace {
 
 std::vector<torch::Tensor> attn_in_impl(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
@@ -1139,6 +1199,11 @@ std::vector<torch::Tensor> attn_in_impl(torch::Tensor x, torch::Tensor ln_w, dou
   }
   q = rope(q.reshape({batch, length, hq * D}), cos, sin, hq);
   k = rope(k.reshape({batch, length, hkv * D}), cos, sin, hkv);
+  if (precision != Precision::fp32) {  // the bf16 modes hold keys and values at bf16 precision
+    k = k.contiguous();
+    round_to_bf16_(k);
+    round_to_bf16_(v);
+  }
   return {q, k, v.view({batch, length, hkv, D}).transpose(1, 2)};
 }
 
@@ -1154,7 +1219,8 @@ std::vector<torch::Tensor> attn_in(torch::Tensor x, torch::Tensor ln_w, double e
                       Precision::fp32);
 }
 
-// attn_in with the q/k/v projections on the bf16 GEMM (the norms and the rotation stay float32).
+// attn_in with the q/k/v projections on the bf16 GEMM (the norms and the rotation stay float32), the keys (after
+// the rotation) and values rounded to bf16 values (kv_bits): the exact-bf16 mode's KV cache holds bf16.
 std::vector<torch::Tensor> attn_in_bf16(torch::Tensor x, torch::Tensor ln_w, double eps, torch::Tensor wq,
                                         c10::optional<torch::Tensor> bq, torch::Tensor wk,
                                         c10::optional<torch::Tensor> bk, torch::Tensor wv,

@@ -121,7 +121,8 @@ std::vector<torch::Tensor> stack_run(int64_t handle, torch::Tensor x, torch::Ten
 
 // Runs every layer of stack `handle` on packed rows x [N, W]: S sequences' new tokens one after another (no
 // padding), sequence s being `lens[s]` rows for positions pasts[s] .. pasts[s] + lens[s] - 1 of the sequence held in
-// slot `slots[s]` of the per-layer KV buffers kbufs[i] / vbufs[i] ([slots, Hkv, capacity, D]); cos and sin [N, D] are
+// slot `slots[s]` of the per-layer KV buffers kbufs[i] / vbufs[i] ([slots, Hkv, capacity, D], float32, or bfloat16
+// with `bf16`: the values attn_in_bf16 rounded, half the bytes to read); cos and sin [N, D] are
 // the rows' rotary tables (by position). Each layer runs attn_in on all N rows, writes each sequence's new keys and
 // values into its slot at its positions, runs attention_segments (row i of a sequence sees its slot's keys
 // 0 .. pasts[s] + i) and the rest of the layer on all N rows. Every operation is per row or per query, so a
@@ -145,28 +146,35 @@ std::vector<torch::Tensor> stack_run_varlen(int64_t handle, torch::Tensor x, tor
     const StackLayer& L = (*stack)[i];
     torch::Tensor& kb = kbufs[i];
     torch::Tensor& vb = vbufs[i];
-    TORCH_CHECK(kb.scalar_type() == at::kFloat && vb.sizes() == kb.sizes() && kb.dim() == 4 && kb.size(1) == L.hkv &&
-                    kb.size(3) == D && kb.stride(3) == 1 && vb.stride(3) == 1,
-                "exact stack_run_varlen: KV buffers [slots, Hkv, capacity, D] float32");
+    const bool kv16 = kv_bf16(kb, vb, "exact stack_run_varlen");
+    TORCH_CHECK(vb.sizes() == kb.sizes() && kb.dim() == 4 && kb.size(1) == L.hkv && kb.size(3) == D &&
+                    kb.stride(3) == 1 && vb.stride(3) == 1,
+                "exact stack_run_varlen: KV buffers [slots, Hkv, capacity, D]");
+    TORCH_CHECK(!kv16 || bf16, "exact stack_run_varlen: bfloat16 KV buffers are the exact-bf16 mode's");
     auto qkv = attn_in_impl(x, L.ln_in, L.eps_in, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, L.qn_w, L.kn_w, L.q_eps,
                             L.k_eps, cos3, sin3, 1, N, L.hq, L.hkv, precision);
     // the new keys ([1, Hkv, N, D], contiguous) and values (a [1, Hkv, N, D] view of [N, Hkv, D]) into the slots
     const torch::Tensor k = qkv[1].contiguous(), v = qkv[2][0].transpose(0, 1).contiguous();  // v: [N, Hkv, D]
     const float* kp = k.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
-    float* kbp = kb.data_ptr<float>();
-    float* vbp = vb.data_ptr<float>();
     const auto kst = kb.strides(), vst = vb.strides();
+    // a row of D values into a buffer: copied into float32, or (already bf16 values) as their bf16 bits
+    auto put = [&](const torch::Tensor& buf, int64_t offset, const float* src) {
+      if (kv16) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(buf.data_ptr()) + offset;
+        for (int64_t d = 0; d < D; ++d) dst[d] = kv_bits(src[d]);
+      } else {
+        std::memcpy(buf.data_ptr<float>() + offset, src, D * sizeof(float));
+      }
+    };
     int64_t row = 0;
     for (int64_t s = 0; s < S; ++s) {
       TORCH_CHECK(0 <= slots[s] && slots[s] < kb.size(0) && pasts[s] >= 0 && pasts[s] + lens[s] <= kb.size(2),
                   "exact stack_run_varlen: no room in the KV buffers");
       for (int64_t t = 0; t < lens[s]; ++t, ++row)
         for (int64_t h = 0; h < L.hkv; ++h) {
-          std::memcpy(kbp + slots[s] * kst[0] + h * kst[1] + (pasts[s] + t) * kst[2], kp + (h * N + row) * D,
-                      D * sizeof(float));
-          std::memcpy(vbp + slots[s] * vst[0] + h * vst[1] + (pasts[s] + t) * vst[2], vp + (row * L.hkv + h) * D,
-                      D * sizeof(float));
+          put(kb, slots[s] * kst[0] + h * kst[1] + (pasts[s] + t) * kst[2], kp + (h * N + row) * D);
+          put(vb, slots[s] * vst[0] + h * vst[1] + (pasts[s] + t) * vst[2], vp + (row * L.hkv + h) * D);
         }
     }
     TORCH_CHECK(row == N, "exact stack_run_varlen: the sequences' rows must add up to x's");
@@ -223,6 +231,11 @@ void draft_ingest(int64_t handle, torch::Tensor feats, torch::Tensor fc_w, c10::
                 precision);
     if (L.kn_w.has_value() && L.kn_w->defined()) k = rms_norm(k.reshape({-1, D}), *L.kn_w, L.k_eps);
     k = rope(k.reshape({1, n, L.hkv * D}), cos, sin, L.hkv);  // [1, Hkv, n, D]
+    if (bf16) {  // keys and values at bf16 precision, as attn_in_bf16 holds them
+      k = k.contiguous();
+      round_to_bf16_(k);
+      round_to_bf16_(v);
+    }
     kbufs[i].narrow(1, length, n).copy_(k[0]);
     vbufs[i].narrow(1, length, n).copy_(v.view({n, L.hkv, D}).transpose(0, 1));
   }

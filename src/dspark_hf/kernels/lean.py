@@ -24,7 +24,7 @@ import dspark_hf._transformers as tf
 from ..model.layers import DSparkDecoderLayer
 from .build import backend
 from .ops import (
-    EXACT_ATTENTION,
+    EXACT_ATTENTIONS,
     NO_MASK,
     bool_mask,
     check_attention_options,
@@ -98,7 +98,7 @@ def lean_layer_forward(
         or hidden_states.dtype != torch.float32
         or hidden_states.device.type != "cpu"
         or position_embeddings is None
-        or tf.attn_implementation(attn) != EXACT_ATTENTION
+        or tf.attn_implementation(attn) not in EXACT_ATTENTIONS
         or (torch.is_grad_enabled() and (hidden_states.requires_grad or attn.q_proj.weight.requires_grad))
     ):
         return type(self).forward(
@@ -215,6 +215,8 @@ def lean_draft_layer_forward(
     rows = x.reshape(batch * length, width)
     attn_in = compiled.attn_in_bf16 if bf16 else compiled.attn_in
     q, k, v = attn_in(rows, *norm_etc, cos[:, 0], sin[:, 0], batch, length, *head_counts)
+    if bf16:  # the mode's keys and values are bf16 values (the compiled round's `draft_ingest` rounds them too)
+        ctx_keys, ctx_values = ctx_keys.to(torch.bfloat16).float(), ctx_values.to(torch.bfloat16).float()
     keys = torch.cat([ctx_keys, k], dim=-2)
     values = torch.cat([ctx_values, v], dim=-2)
     if attention_mask is None:  # the block sees all of its context and itself

@@ -24,7 +24,7 @@ import dspark_hf._transformers as tf
 
 from .build import backend
 from .lean import is_lean, lean_arguments, lean_bf16, lean_layer_forward, lean_layer_run
-from .ops import EXACT_ATTENTION, NO_MASK, bool_mask, replaced_forward
+from .ops import EXACT_ATTENTIONS, NO_MASK, bool_mask, replaced_forward
 
 _LEAN_MODEL_PARAMETERS = ("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache")
 # on a base model in the exact mode: (handle, [(layer, cache index, Hkv, D)], bf16: the layers' linears on the bf16 GEMM)
@@ -75,7 +75,7 @@ def _covered(model: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs:
         or getattr(config, "output_attentions", False)
         or getattr(config, "return_dict", True) is False
         or getattr(config, "is_causal", None) is not None
-        or tf.attn_implementation(config) != EXACT_ATTENTION
+        or tf.attn_implementation(config) not in EXACT_ATTENTIONS
         or (isinstance(attention_mask, dict) and not tf.takes_mask_dict(model))
         or tf.active_output_collector() is not None
     )

@@ -41,7 +41,7 @@ from torch import nn
 import dspark_hf._transformers as tf
 
 from .exact import exact_kernels
-from .ops import EXACT_ATTENTION, is_exact, is_exact_bf16
+from .ops import EXACT_ATTENTION, EXACT_ATTENTION_BF16, is_exact, is_exact_bf16
 from .packed import is_packed, packed_linears, packing_available
 
 KERNEL_MODES = ("stock", "packed", "exact", "exact-bf16")
@@ -96,7 +96,7 @@ def kernels_of(model: nn.Module) -> str:
             return "exact-bf16" if is_exact_bf16(module) else "exact"
         if is_packed(module):
             return "packed"
-    return "exact" if tf.attn_implementation(model) == EXACT_ATTENTION else "stock"
+    return {EXACT_ATTENTION: "exact", EXACT_ATTENTION_BF16: "exact-bf16"}.get(tf.attn_implementation(model), "stock")
 
 
 def _flat(models) -> list[nn.Module]:

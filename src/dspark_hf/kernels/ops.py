@@ -24,6 +24,10 @@ from .build import backend
 
 #: The attention implementation name registered with transformers' `AttentionInterface` for the exact mode.
 EXACT_ATTENTION = "dspark_exact"
+#: The same for the exact-bf16 mode: the exact attention over keys and values rounded to bfloat16.
+EXACT_ATTENTION_BF16 = "dspark_exact_bf16"
+#: Both names: a model set to either runs the exact attention.
+EXACT_ATTENTIONS = (EXACT_ATTENTION, EXACT_ATTENTION_BF16)
 
 #: The attention kernel's "causal over the cache" (no mask).
 NO_MASK = torch.empty(0, dtype=torch.bool)
@@ -218,9 +222,38 @@ def exact_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = bool_mask(attention_mask)
     compiled = backend()
-    if compiled is not None and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu":
+    kv_dtypes = (torch.float32, torch.bfloat16)  # bfloat16: an exact-bf16 cache; widened exactly
+    if (
+        compiled is not None
+        and query.dtype == torch.float32
+        and key.dtype == value.dtype
+        and key.dtype in kv_dtypes
+        and query.device.type == "cpu"
+    ):
         return compiled.attention(query, key, value, NO_MASK if mask is None else mask, float(scale)), None
+    if query.dtype == torch.float32 and key.dtype == value.dtype == torch.bfloat16:
+        key, value = key.float(), value.float()
     return _attention_fallback(query, key, value, mask, scale), None
+
+
+def exact_attention_forward_bf16(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The exact-bf16 mode's attention function (registered as `"dspark_exact_bf16"`): [`exact_attention_forward`]
+    over the keys and values rounded to bfloat16 (to nearest even, torch's conversion), the values the mode's
+    compiled layers hold in their KV caches. Rounding is idempotent, so keys already rounded (or held in
+    bfloat16) are unchanged: every path of the mode attends over the same values."""
+    if query.dtype == torch.float32 and key.dtype == value.dtype == torch.float32:
+        key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    return exact_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
 def _attention_fallback(query, key, value, mask, scale) -> torch.Tensor:
@@ -243,5 +276,7 @@ def _attention_fallback(query, key, value, mask, scale) -> torch.Tensor:
 
 
 def register_attention() -> None:
-    """Register [`exact_attention_forward`] with transformers as `"dspark_exact"` (once)."""
+    """Register [`exact_attention_forward`] with transformers as `"dspark_exact"` and
+    [`exact_attention_forward_bf16`] as `"dspark_exact_bf16"` (once)."""
     tf.register_attention(EXACT_ATTENTION, exact_attention_forward)
+    tf.register_attention(EXACT_ATTENTION_BF16, exact_attention_forward_bf16)
