@@ -325,7 +325,10 @@ def test_the_shipped_draft_runs_one_policy_and_lookup_in_every_driver(monkeypatc
     in_generate = resolved[-1]
     engine = DSparkEngine(target, draft, tokenizer)
     served = load_app().state.server.engine
-    recorded = (UniformHardwareAwarePolicy(), LookupConfig())  # the card's one policy and lookup setting (generation_config.json)
+    recorded = (
+        UniformHardwareAwarePolicy(),
+        LookupConfig(),
+    )  # the card's one policy and lookup setting (generation_config.json)
     for options in (in_generate, engine.options, served.options):
         assert (options.policy, options.lookup) == recorded
         assert options == in_generate
