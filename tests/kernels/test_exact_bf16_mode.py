@@ -7,7 +7,10 @@ What the mode promises, checked on tiny float32 targets built here:
   mid-generation, with and without a draft, gives each request plain decoding's tokens and its target logits
   bit for bit;
 * it really runs bf16: its logits differ from the `"exact"` (float32) mode's, by no more than bf16 rounding can
-  explain, and equal a reference that rounds each linear's input and weight to bf16 and sums in float32;
+  explain, and equal a reference that rounds each linear's input and weight to bf16 and sums in float32 and
+  attends over keys and values rounded to bf16;
+* the engine's KV slots hold bf16, and a padded forward (transformers' modules over the slots) reads and writes
+  them with the bits the unpadded one gives;
 * it is batch-invariant at the model level: k rows (a batch of prompts, or a prompt's tokens in one forward)
   give bit for bit the logits of each row alone (one prompt alone, or token by token with the cache);
 * leaving the mode gives the models back: stock forwards after the block equal those before, no swap is left;
@@ -149,15 +152,19 @@ def _engine_run(target, draft, policy: str, work):
     engine = DSparkEngine(target, draft, policy=policy, max_batch_size=8, kernels=MODE)
     rows = record_committed_logits(engine)
     busiest = 0
+    kv_dtypes = set()
 
     def check(engine):
         nonlocal busiest
         busiest = max(busiest, len(engine._active))
         if engine.has_unfinished():
             assert kernels_of(target) == MODE
+        if engine._kv.allocated:
+            kv_dtypes.add(engine._kv.buffers(0, 1)[0][0].dtype)
 
     ids, outputs = run_joining(engine, work, after_step=check)
     assert busiest >= 3  # several requests were decoded together
+    assert kv_dtypes == {torch.bfloat16}  # the unpadded forwards kept the target's keys and values in bf16
     assert kernels_of(target) == "stock"  # given back when idle
     return [(outputs[i].token_ids, rows.get(i, [])) for i in ids]
 
@@ -273,3 +280,44 @@ def test_leaving_the_mode_restores_the_models():
         name: set(d) for name, d in forwards.items()
     }
     assert torch.equal(target(input_ids=ids).logits, before)
+
+
+@torch.no_grad()
+def test_the_padded_forward_over_bf16_slots_gives_the_unpadded_forward_bits():
+    # the engine keeps an exact-bf16 target's KV slots in bf16 (the unpadded path); when a step falls back to the
+    # padded one (transformers' modules over the same slots) it must write and read them with the same bits
+    from dspark_hf.decoding.caches import SlotKV
+    from dspark_hf.decoding.target_forward import slot_target_forward, varlen_target_forward
+    from dspark_hf.kernels.lean_model import varlen_stack
+
+    target = _target("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 23)]
+    steps = [[[5], [7]], [[11], [13]]]
+    logits = {}
+    with use_kernels(target, mode=MODE):
+        stack = varlen_stack(target, None)
+        assert stack is not None
+        for path in ("varlen", "padded"):
+            store = SlotKV(2)
+            for i in range(2):
+                store.add(i)
+            out = varlen_target_forward(target, stack, store, [0, 1], prompts, [[len(p) - 1] for p in prompts])
+            for slot, p in enumerate(prompts):
+                store.lengths[slot] += len(p)
+            assert store.buffers(0, 2)[0][0].dtype == torch.bfloat16
+            seen = [out.logits]
+            for step in steps:
+                if path == "varlen":
+                    out = varlen_target_forward(target, stack, store, [0, 1], step, [[0], [0]])
+                else:
+                    out = slot_target_forward(target, store, step, [[0], [0]])
+                for slot in range(2):
+                    store.lengths[slot] += 1
+                seen.append(out.logits)
+            logits[path] = (seen, [t.clone() for kv in store.buffers(0, 2) for t in kv])
+    (a, kv_a), (b, kv_b) = logits["varlen"], logits["padded"]
+    assert all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    used = [len(p) + len(steps) for p in prompts]
+    for x, y in zip(kv_a, kv_b):  # the same keys and values written, bit for bit
+        assert all(torch.equal(x[r, :, :n], y[r, :, :n]) for r, n in enumerate(used))

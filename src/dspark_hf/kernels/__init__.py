@@ -22,17 +22,28 @@ from .build import build_exact_kernels, exact_kernels_backend, exact_kernels_bui
 from .lean import is_lean, lean_arguments, lean_bf16
 from .lean_model import is_lean_model
 from .modes import EXACT_MODES, KERNEL_MODES, check_kernels, default_kernels, exact_family, kernels_of, use_kernels
-from .ops import EXACT_ATTENTION, exact_attention_forward, exact_linear, is_exact, is_exact_bf16, is_exact_norm
+from .ops import (
+    EXACT_ATTENTION,
+    EXACT_ATTENTION_BF16,
+    exact_attention_forward,
+    exact_attention_forward_bf16,
+    exact_linear,
+    is_exact,
+    is_exact_bf16,
+    is_exact_norm,
+)
 from .packed import is_packed, pack_linear_weights, packing_available, unpack_linear_weights
 
 __all__ = [
     "EXACT_ATTENTION",
+    "EXACT_ATTENTION_BF16",
     "EXACT_MODES",
     "KERNEL_MODES",
     "build_exact_kernels",
     "check_kernels",
     "default_kernels",
     "exact_attention_forward",
+    "exact_attention_forward_bf16",
     "exact_family",
     "exact_kernels_backend",
     "exact_kernels_build",
