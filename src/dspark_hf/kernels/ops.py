@@ -237,15 +237,7 @@ def exact_attention_forward(
 
 
 def exact_attention_forward_bf16(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs
 ) -> tuple[torch.Tensor, None]:
     """The exact-bf16 mode's attention function (registered as `"dspark_exact_bf16"`): [`exact_attention_forward`]
     over the keys and values rounded to bfloat16 (to nearest even, torch's conversion), the values the mode's
@@ -253,7 +245,7 @@ def exact_attention_forward_bf16(
     bfloat16) are unchanged: every path of the mode attends over the same values."""
     if query.dtype == torch.float32 and key.dtype == value.dtype == torch.float32:
         key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
-    return exact_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    return exact_attention_forward(module, query, key, value, *args, **kwargs)
 
 
 def _attention_fallback(query, key, value, mask, scale) -> torch.Tensor:
