@@ -256,3 +256,16 @@ def test_slot_arrange_moves_rows_and_their_tokens():
     assert store._keys[0][0].eq(2.0).all() and store._values[0][2].eq(0.0).all() and store._keys[0][1].eq(1.0).all()
     with pytest.raises(ValueError, match="permutation"):
         store.arrange([0, 0, 1])
+
+
+def test_the_server_default_budget_is_the_engines(monkeypatch):
+    # `dspark serve` states the default without importing the engine (no torch at argument parsing): they agree
+    import argparse
+
+    from dspark_hf.commands.serve import add_arguments
+    from dspark_hf.decoding.engine import DEFAULT_MAX_PREFILL_TOKENS
+
+    monkeypatch.delenv("DSPARK_MAX_PREFILL_TOKENS", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS

@@ -58,3 +58,26 @@ def test_load_prompts_reads_the_prompt_field(tmp_path):
     path.write_text('{"id": "a", "prompt": "one"}\n\n{"id": "b", "prompt": "two"}\n', encoding="utf-8")
     assert bench.load_prompts(path) == ["one", "two"]
     assert bench.load_prompts(path, limit=1) == ["one"]
+
+
+@pytest.mark.parametrize("cache", ["reset", "kept", "off"])
+def test_vllm_prefix_cache_modes_reach_the_server(tmp_path, monkeypatch, cache):
+    # reset: the dev-mode endpoint that empties the cache is served; off: prefix caching disabled; kept: neither
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").touch()
+    started = {}
+
+    def popen(argv, env, **kwargs):
+        started.update(argv=argv, env=env)
+        return object()
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(bench, "wait_ready", lambda *args, **kwargs: None)
+    args = bench.argparse.Namespace(
+        vllm_venv=str(venv), target="T", threads=2, concurrency=[1, 32], vllm_kvcache_gib=2, vllm_preload="none",
+        vllm_prefix_cache=cache,
+    )  # fmt: skip
+    bench.start_vllm("vllm-bf16", args, tmp_path / "log")
+    assert ("--no-enable-prefix-caching" in started["argv"]) == (cache == "off")
+    assert (started["env"].get("VLLM_SERVER_DEV_MODE") == "1") == (cache == "reset")

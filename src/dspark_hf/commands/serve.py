@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-prefill-tokens",
         type=int,
-        default=_env("MAX_PREFILL_TOKENS", 512, int),
+        default=_env("MAX_PREFILL_TOKENS", 512, int),  # the engine's DEFAULT_MAX_PREFILL_TOKENS (no torch import here)
         help="most prompt tokens prefilled per engine step, riding in the decoding rows' forward; lower evens out "
         "the gaps between a stream's tokens while prompts arrive, higher starts them sooner (default: 512)",
     )

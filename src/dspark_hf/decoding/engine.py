@@ -91,6 +91,10 @@ from .target_forward import (
 logger = logging.getLogger(__name__)
 
 
+#: The engine's prefill budget per step when none is given (`max_prefill_tokens`).
+DEFAULT_MAX_PREFILL_TOKENS = 512
+
+
 class DSparkEngine:
     """Serve many requests at once with a DSpark draft: continuous batching, batch-wide verification scheduling.
 
@@ -163,7 +167,7 @@ class DSparkEngine:
         kernels: str | None = None,
         lookup=None,
         compiled: bool | None = None,
-        max_prefill_tokens: int = 512,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")

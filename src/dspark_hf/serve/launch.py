@@ -9,7 +9,7 @@ import socket
 import threading
 
 from .._threads import run_in_fresh_thread
-from ..decoding.engine import DSparkEngine
+from ..decoding.engine import DEFAULT_MAX_PREFILL_TOKENS, DSparkEngine
 from .app import ServeConfig, create_app
 from .limits import default_allowed_hosts
 
@@ -28,7 +28,7 @@ def load_app(
     lookup=None,
     cuda_graphs: bool | None = None,
     compiled: bool | None = None,
-    max_prefill_tokens: int = 512,
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -49,8 +49,8 @@ def load_app(
         lookup (`bool`, *optional*): prompt lookup before drafting (see [`DSparkEngine`]).
         cuda_graphs (`bool`, *optional*): the draft step as a CUDA graph (see [`DSparkEngine`]).
         compiled (`bool`, *optional*): the drafting round as compiled calls where eligible (see [`DSparkEngine`]).
-        max_prefill_tokens (`int`, *optional*, defaults to 512): most prompt tokens prefilled per engine step (see
-            [`DSparkEngine`]).
+        max_prefill_tokens (`int`, *optional*): most prompt tokens prefilled per engine step (the engine's
+            default, 512; see [`DSparkEngine`]).
 
     Returns:
         `fastapi.FastAPI`
