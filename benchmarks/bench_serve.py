@@ -96,6 +96,8 @@ def start_server(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
         argv += ["--kernels", kernels or args.kernels]
     if lookup:
         argv += ["--lookup", lookup]
+    if getattr(args, "prefix_cache_mib", None) is not None:
+        argv += ["--prefix-cache-mib", str(args.prefix_cache_mib)]
     for flag in ("target", "draft", "dtype", "device"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]

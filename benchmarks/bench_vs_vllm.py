@@ -18,10 +18,11 @@ max(C, `--requests`) are done (default max(2C, 8)); per level: aggregate complet
 time), TTFT p50/p99 and ITL p50/p99 (as `bench_serve.py` measures them), the median over `--repeats`.
 
 Every level re-sends the first prompts of the set, so a server that caches prompt prefixes across requests
-would find the earlier levels' and repeats' prompts in its cache. vLLM does (prefix caching is on by default);
-our engine does not. By default (`--vllm-prefix-cache reset`) vLLM keeps its prefix caching but the script
-empties the cache before every level, so that vLLM reuses only what a level's own requests share (the chat
-template's system message) and computes every prompt once per level, as it would for new traffic.
+would find the earlier levels' and repeats' prompts in its cache. Both do (vLLM's prefix caching and our
+engine's prefix cache are on by default). By default (`--prefix-cache reset`) both keep their caches but the
+script empties them before every level (both serve `POST /reset_prefix_cache`; vLLM in its dev mode), so that
+a server reuses only what a level's own requests share (the chat template's system message) and computes every
+prompt once per level, as it would for new traffic. `kept` never empties them; `off` turns both off.
 
 Install vLLM CPU once, in its own venv outside the repository (the same as `--install-vllm DIR`):
 
@@ -138,7 +139,7 @@ def start_vllm(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
     argv += ["--port", str(port), "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "4096"]
     # quiet as our server runs (`--log-level warning`): no access log line per request
     argv += ["--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", "--seed", "0"]
-    if args.vllm_prefix_cache == "off":
+    if args.prefix_cache == "off":
         argv.append("--no-enable-prefix-caching")
     env = {
         **os.environ,
@@ -147,7 +148,7 @@ def start_vllm(mode: str, args, log: Path) -> tuple[subprocess.Popen, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if args.vllm_prefix_cache == "reset":
+    if args.prefix_cache == "reset":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # serves POST /reset_prefix_cache
     env.pop("PYTHONPATH", None)  # vLLM's venv only: not this repository's packages
     if args.vllm_preload == "iomp":
@@ -221,8 +222,8 @@ def _commit() -> str | None:
 
 
 def reset_prefix_cache(url: str) -> None:
-    """Empty vLLM's prefix cache (its dev-mode endpoint), so that a level's prompts are not hits left by the
-    earlier levels and repeats, which send the same prompts again."""
+    """Empty the server's prefix cache (vLLM's dev-mode endpoint, and ours of the same name), so that a level's
+    prompts are not hits left by the earlier levels and repeats, which send the same prompts again."""
     response = httpx.post(url + "/reset_prefix_cache", timeout=60)
     response.raise_for_status()
 
@@ -287,7 +288,8 @@ def measure(mode: str, args, prompts: list[str], logs: Path, samples: dict, repo
         # our server's own default target unless --target was given: the same folder (`default_target_path`),
         # loaded as the default target, so that its default draft is the shipped one
         policy, dtype = OURS[mode]
-        ours = argparse.Namespace(**{**vars(args), "target": args.our_target, "dtype": dtype})
+        prefix = 0 if args.prefix_cache == "off" else None
+        ours = argparse.Namespace(**{**vars(args), "target": args.our_target, "dtype": dtype, "prefix_cache_mib": prefix})
         proc, url = start_server(policy, ours, log)
     try:
         report["startup_seconds"][mode] = time.perf_counter() - started
@@ -304,8 +306,7 @@ def measure(mode: str, args, prompts: list[str], logs: Path, samples: dict, repo
         )
         for rep in range(args.repeats):
             for c in args.concurrency:
-                vllm = mode in VLLM_DTYPES
-                if vllm and args.vllm_prefix_cache == "reset":
+                if args.prefix_cache == "reset":
                     reset_prefix_cache(url)
                 res = asyncio.run(
                     load_level(url, c, requests_per_level(c, args.requests), args.max_tokens, prompts, extra)
@@ -336,13 +337,13 @@ def main() -> None:
         "vLLM, as its CPU docs advise (about 15%% more tokens/s here than without); none: vLLM as installed",
     )
     parser.add_argument(
-        "--vllm-prefix-cache",
+        "--prefix-cache",
         choices=("reset", "kept", "off"),
         default="reset",
-        help="reset (the default): vLLM's prefix caching on, as it serves by default, and its cache emptied "
-        "before every level, so that only what a level's own requests share (the chat template's system "
-        "message) is reused; kept: never emptied, so every level re-sends prompts the earlier levels and "
-        "repeats left in the cache (what runs before this option measured); off: --no-enable-prefix-caching",
+        help="reset (the default): both servers' prefix caches on, as they serve by default, and emptied before "
+        "every level, so that only what a level's own requests share (the chat template's system message) is "
+        "reused; kept: never emptied, so every level re-sends prompts the earlier levels and repeats left in the "
+        "caches; off: vLLM's --no-enable-prefix-caching and our --prefix-cache-mib 0",
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--target", default=None, help="target folder (default: the default target's folder)")
@@ -397,7 +398,7 @@ def main() -> None:
         "commit": _commit(),
         "vllm_preload": args.vllm_preload,
         "vllm_kvcache_gib": args.vllm_kvcache_gib,
-        "vllm_prefix_cache": args.vllm_prefix_cache,
+        "prefix_cache": args.prefix_cache,
         "startup_seconds": {},
         "idle_cpu_percent": {},
         "complete": False,

@@ -61,7 +61,7 @@ def test_load_prompts_reads_the_prompt_field(tmp_path):
 
 
 @pytest.mark.parametrize("cache", ["reset", "kept", "off"])
-def test_vllm_prefix_cache_modes_reach_the_server(tmp_path, monkeypatch, cache):
+def test_prefix_cache_modes_reach_the_vllm_server(tmp_path, monkeypatch, cache):
     # reset: the dev-mode endpoint that empties the cache is served; off: prefix caching disabled; kept: neither
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -76,8 +76,31 @@ def test_vllm_prefix_cache_modes_reach_the_server(tmp_path, monkeypatch, cache):
     monkeypatch.setattr(bench, "wait_ready", lambda *args, **kwargs: None)
     args = bench.argparse.Namespace(
         vllm_venv=str(venv), target="T", threads=2, concurrency=[1, 32], vllm_kvcache_gib=2, vllm_preload="none",
-        vllm_prefix_cache=cache,
+        prefix_cache=cache,
     )  # fmt: skip
     bench.start_vllm("vllm-bf16", args, tmp_path / "log")
     assert ("--no-enable-prefix-caching" in started["argv"]) == (cache == "off")
     assert (started["env"].get("VLLM_SERVER_DEV_MODE") == "1") == (cache == "reset")
+
+
+@pytest.mark.parametrize("mib", [None, 0])
+def test_our_server_gets_the_prefix_cache_size(tmp_path, monkeypatch, mib):
+    # --prefix-cache off starts our server with --prefix-cache-mib 0; otherwise the server's own default
+    serve = bench.sys.modules["bench_serve"]
+    started = {}
+
+    def popen(argv, env, **kwargs):
+        started.update(argv=argv)
+        return object()
+
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve, "wait_ready", lambda *args, **kwargs: None)
+    args = bench.argparse.Namespace(
+        concurrency=[1, 32], threads=2, max_tokens=96, kernels=None, target=None, draft=None, dtype=None,
+        device=None, prefix_cache_mib=mib,
+    )  # fmt: skip
+    bench.start_server("default", args, tmp_path / "log")
+    argv = started["argv"]
+    assert ("--prefix-cache-mib" in argv) == (mib is not None)
+    if mib is not None:
+        assert argv[argv.index("--prefix-cache-mib") + 1] == "0"

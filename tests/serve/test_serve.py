@@ -581,6 +581,15 @@ def test_real_default_pair_greedy_chat_equals_generate(tmp_path):
         assert out["prompt_token_ids"] == inputs["input_ids"][0].tolist()
         assert out["choices"][0]["token_ids"] == ref
         assert out["choices"][0]["message"]["content"] == tokenizer.decode(ref, skip_special_tokens=True)
+        # the same chat again: its beginning comes from the prefix cache, and the reply does not change
+        hits = "dspark_engine_prefix_cache_hit_tokens_total"
+        assert srv.metric(hits) == 0
+        again = httpx.post(srv.url + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=300)
+        assert again.json()["choices"][0]["token_ids"] == ref
+        length = len(out["prompt_token_ids"])
+        assert srv.metric(hits) == (length - 1) // 8 * 8 > 0
+        assert httpx.post(srv.url + "/reset_prefix_cache", timeout=30).json() == {"reset": True}
+        assert srv.metric("dspark_engine_prefix_cache_bytes") == 0
     finally:
         srv.stop()
     assert srv.proc.returncode == 0

@@ -50,6 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the gaps between a stream's tokens while prompts arrive, higher starts them sooner (default: 512)",
     )
     parser.add_argument(
+        "--prefix-cache-mib",
+        type=int,
+        default=_env("PREFIX_CACHE_MIB", None, int),
+        help="MiB of the prefix cache: prompts that begin like earlier ones (a system message, earlier turns) "
+        "copy that beginning's keys and values instead of prefilling it; exact on the exact kernels, the only "
+        "ones it runs on; 0 turns it off; POST /reset_prefix_cache empties it (default: 256 on the exact "
+        "kernels, off elsewhere)",
+    )
+    parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=_env("MAX_NEW_TOKENS", 512, int),
@@ -148,6 +157,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}.")
     if args.max_prefill_tokens < 1:
         raise UserError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}.")
+    if args.prefix_cache_mib is not None and args.prefix_cache_mib < 0:
+        raise UserError(f"--prefix-cache-mib must be >= 0, got {args.prefix_cache_mib}.")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be a TCP port, 0 to 65535, got {args.port}.")
     # the policy's spelling only; whether the draft has the confidence head a policy reads is known after loading
@@ -223,9 +234,10 @@ def main(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     speculation = SpeculationArguments.from_namespace(args).call()  # the call level of the engine's options
+    prefix_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib * 2**20
     app = load_app(
         args.target, args.draft, max_batch_size=args.max_batch_size, dtype=args.dtype, device=args.device,
-        config=config, max_prefill_tokens=args.max_prefill_tokens, **speculation,
+        config=config, max_prefill_tokens=args.max_prefill_tokens, prefix_cache_bytes=prefix_bytes, **speculation,
     )  # fmt: skip
     run(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     return 0

@@ -264,6 +264,16 @@ class SlotKV:
         n = self.lengths[slot]
         return self._keys[i][slot, :, :n], self._values[i][slot, :, :n]
 
+    def write_prefix(self, slot: int, kv: torch.Tensor) -> None:
+        """Set `slot` (an empty row) to `n` tokens: `kv` `[2 * layers, kv_heads, n, head_dim]` holds layer `i`'s
+        keys at `2i` and its values at `2i + 1` (the [`PrefixCache`]'s blocks)."""
+        n = kv.shape[2]
+        self.reserve(n)
+        for i, (buf_k, buf_v) in enumerate(zip(self._keys, self._values)):
+            buf_k[slot, :, :n] = kv[2 * i]
+            buf_v[slot, :, :n] = kv[2 * i + 1]
+        self.lengths[slot] = n
+
     def write_tokens(self, slots: torch.Tensor, positions: torch.Tensor, kvs) -> None:
         """Write tokens one by one at `(slots[t], positions[t])`: `kvs` holds per layer `(keys, values)`
         `[kv_heads, N, head_dim]` for the `N` tokens (one index-put per layer and tensor). Lengths are the

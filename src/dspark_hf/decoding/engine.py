@@ -62,6 +62,7 @@ from .drafting import PerRowSampler, sample_block
 from .lookup import LookupGate
 from .metrics import EngineMetrics
 from .options import resolve_options
+from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from .requests import (
     Request,
     RequestOutput,
@@ -149,6 +150,12 @@ class DSparkEngine:
             a [`LookupGate`] measures, per batch size, whether copy rounds emit more per second than the others
             and stops copying where they do not. Unset, the draft's default, else off; always off without
             speculation.
+        prefix_cache_bytes (`int`, *optional*): bytes of the [`PrefixCache`] (`dspark_hf.decoding.prefix_cache`):
+            the keys and values (and the draft's target features) of prompt beginnings the engine has prefilled,
+            in blocks of 8 tokens, so that a request whose prompt begins like an earlier one (a system message,
+            earlier turns of a conversation) copies that beginning instead of prefilling it. Exact by
+            construction on the exact kernels, the only ones it runs on; `0` turns it off. Defaults to 256 MiB
+            in the exact modes, off otherwise. [`reset_prefix_cache`] empties it.
 
     The resolved options are `engine.options` ([`SpeculationOptions`]).
     """
@@ -168,6 +175,7 @@ class DSparkEngine:
         lookup=None,
         compiled: bool | None = None,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
@@ -209,6 +217,17 @@ class DSparkEngine:
             self.layout = "padded"  # one row per request: each request's tokens are its own sequence
             build_exact_kernels()  # now (a minute on first use, then cached), not inside the first request's round
         self._kernel_scope: contextlib.ExitStack | None = None  # the kernel mode, held while there is work
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = DEFAULT_PREFIX_CACHE_BYTES if kernels in EXACT_MODES else 0
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes}.")
+        if prefix_cache_bytes and kernels not in EXACT_MODES:
+            raise ValueError(
+                f"the prefix cache runs on the exact kernels only (there a prompt's keys and values do not depend "
+                f"on the rows and chunks it was prefilled with), not on kernels={kernels!r}: pass "
+                "prefix_cache_bytes=0, or kernels='exact' / 'exact-bf16'."
+            )
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         if self.speculate:
             if draft.bound_target is not target:
                 draft.bind_target(target)
@@ -292,6 +311,14 @@ class DSparkEngine:
         if scope is not None:
             scope.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (requests in flight keep what they restored). Returns whether there is one."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.clear()
+        self.metrics.prefix_cache_bytes = 0
+        return True
+
     def has_unfinished(self) -> bool:
         """`bool`: whether any request is queued, active or has an undelivered result."""
         return bool(self._queue or self._active or self._failed or self._buffered)
@@ -333,6 +360,7 @@ class DSparkEngine:
         m.busy_seconds += time.perf_counter() - start
         kv_bytes = self._kv.nbytes + (self._dkv.nbytes if self._dkv is not None else 0)
         m.record_gauges(len(self._active), len(self._queue), sum(len(r.kv) for r in self._active), kv_bytes)
+        m.prefix_cache_bytes = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
         return events
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
@@ -467,6 +495,8 @@ class DSparkEngine:
         `max_prefill_tokens` tokens in all (a padded forward counts its padding: rows x width)."""
         budget, rows, chunks, width, used = self.max_prefill_tokens, [], [], 0, 0
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
+            if req.prefix is None and self.prefix_cache is not None:
+                self._restore(req)
             if self.layout == "packed" or stack is not None:  # no padding: the budget is the tokens themselves
                 n = min(len(req.prompt) - req.prefilled, budget - used)
             else:  # a padded forward computes every row as long as its longest: rows x width within the budget
@@ -479,6 +509,15 @@ class DSparkEngine:
             chunks.append(req.prompt[req.prefilled : req.prefilled + n])
             width, used = max(width, n), used + n
         return rows, chunks
+
+    def _restore(self, req: Request) -> None:
+        """Before `req`'s first chunk: copy its prompt's longest cached beginning into its slot."""
+        req.prefix, features = self.prefix_cache.restore(req.prompt, self._kv, req.kv.slot)
+        req.prefilled = req.prefix.cached
+        if features is not None and self.speculate:  # the draft reads these tokens' features like any others
+            req.draft.pending.append(features)
+        self.metrics.prefix_cache_queried_tokens += len(req.prompt)
+        self.metrics.prefix_cache_hit_tokens += req.prefix.cached
 
     def _prefilled(self, rows: list[Request], chunks: list[list[int]], out, events: list[StreamEvent]) -> None:
         """After a forward over prefill chunks (`out`: their logits and features, keys/values in `out.new_kv` or
@@ -494,6 +533,11 @@ class DSparkEngine:
             req.prefilled += len(chunk)
             if self.speculate:  # in order, chunk by chunk; ingested by the draft when it next drafts
                 req.draft.pending.append(out.features[i])
+            if req.prefix is not None:  # the blocks this chunk completed, for later prompts that begin alike
+                feats = out.features[i] if self.speculate else None
+                self.prefix_cache.extend(req.prefix, req.prompt, req.prefilled, self._kv, req.kv.slot, feats)
+                if self._decodes(req):
+                    req.prefix.tail = None  # the last partial block is never cached
             if self._decodes(req):  # its last chunk: the prompt's last logits give the first token
                 logits = req.sampler.process(req.prompt, out.logits[i])
                 firsts.append((req, req.sampler.pick(logits[0])))

@@ -30,6 +30,8 @@ class EngineMetrics:
     prefill_forwards: int = 0
     prefill_chunks: int = 0  # requests' prompt chunks prefilled (a prompt over max_prefill_tokens takes several)
     prefill_tokens: int = 0  # prompt tokens prefilled
+    prefix_cache_queried_tokens: int = 0  # prompt tokens of requests looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # ... of them restored from it (not prefilled)
     request_rounds: int = 0  # Σ over rounds of the requests in them
     tokens_generated: int = 0
     drafts_verified: int = 0
@@ -50,6 +52,7 @@ class EngineMetrics:
     queue_length: int = 0
     kv_tokens: int = 0
     kv_bytes: int = 0
+    prefix_cache_bytes: int = 0
     peak_active_requests: int = 0
     peak_queue_length: int = 0
     peak_kv_tokens: int = 0
@@ -67,7 +70,8 @@ class EngineMetrics:
 
     def reset(self) -> None:
         """Zero every counter and peak (gauges keep their current value)."""
-        keep = {k: getattr(self, k) for k in ("active_requests", "queue_length", "kv_tokens", "kv_bytes")}
+        gauges = ("active_requests", "queue_length", "kv_tokens", "kv_bytes", "prefix_cache_bytes")
+        keep = {k: getattr(self, k) for k in gauges}
         self.__init__(self.block_size, **keep)
 
     def record_request_round(self, verified: int, accepted: int, copied: bool = False) -> None:
@@ -143,6 +147,8 @@ class EngineMetrics:
             ("prefill_forwards", "Batched prefill forwards."),
             ("prefill_chunks", "Prompt chunks prefilled (a long prompt is prefilled over several rounds)."),
             ("prefill_tokens", "Prompt tokens prefilled."),
+            ("prefix_cache_queried_tokens", "Prompt tokens of requests looked up in the prefix cache."),
+            ("prefix_cache_hit_tokens", "Prompt tokens restored from the prefix cache instead of prefilled."),
             ("request_rounds", "Request participations in verification rounds."),
             ("tokens_generated", "Tokens emitted to requests."),
             ("drafts_verified", "Drafted tokens sent to verification."),
@@ -166,6 +172,7 @@ class EngineMetrics:
             ("queue_length", "Requests waiting for admission."),
             ("kv_tokens", "Tokens held in target KV caches."),
             ("kv_bytes", "Bytes allocated for target and draft KV caches."),
+            ("prefix_cache_bytes", "Bytes held by the prefix cache."),
             ("peak_active_requests", "Peak of active_requests."),
             ("peak_queue_length", "Peak of queue_length."),
             ("peak_kv_bytes", "Peak of kv_bytes."),

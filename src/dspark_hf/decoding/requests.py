@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches import SlotRow
+from .prefix_cache import PrefixProgress
 from .speculator import DraftRow
 from .stats import GenerationStats
 from .target_forward import RequestSampler
@@ -139,6 +140,7 @@ class Request:
     text: str | None = None  # the whole output's text, once finished
     finish_reason: str | None = None
     draft: DraftRow | None = None  # the draft side: its context's slot, pending features, lookup index
+    prefix: PrefixProgress | None = None  # its place in the engine's prefix cache (`None`: not looked up yet)
 
     @property
     def pending_tokens(self) -> int:

@@ -336,6 +336,18 @@ def create_app(engine: DSparkEngine, config: ServeConfig | None = None):
         body["kernels"] = state.kernels  # which forwards' outputs this server's are identical to
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """Empty the engine's prefix cache (e.g. between benchmark levels, so that no prompt is served from an
+        earlier level's cache; vLLM's dev-mode endpoint of the same name). Needs the API key when one is set."""
+        state.check_key(request)
+        if state.worker is None:
+            had = engine.reset_prefix_cache()
+        else:  # between two rounds
+            had = await asyncio.to_thread(state.worker.locked_call, lambda e: e.reset_prefix_cache())
+        state.metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse({"reset": had})
+
     @app.get("/metrics")
     async def metrics():
         if state.worker is None:

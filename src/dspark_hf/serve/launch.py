@@ -29,6 +29,7 @@ def load_app(
     cuda_graphs: bool | None = None,
     compiled: bool | None = None,
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    prefix_cache_bytes: int | None = None,
 ):
     """Load a target and draft and return the app serving them.
 
@@ -51,6 +52,8 @@ def load_app(
         compiled (`bool`, *optional*): the drafting round as compiled calls where eligible (see [`DSparkEngine`]).
         max_prefill_tokens (`int`, *optional*): most prompt tokens prefilled per engine step (the engine's
             default, 512; see [`DSparkEngine`]).
+        prefix_cache_bytes (`int`, *optional*): bytes of the engine's prefix cache (`0`: off; unset, the engine's
+            default: 256 MiB on the exact kernels, off elsewhere; see [`DSparkEngine`]).
 
     Returns:
         `fastapi.FastAPI`
@@ -77,6 +80,7 @@ def load_app(
             cuda_graphs=cuda_graphs,
             compiled=compiled,
             max_prefill_tokens=max_prefill_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
 
     # Loading (and the SPS measurement the engine may make) runs torch kernels; done on this thread, it would
