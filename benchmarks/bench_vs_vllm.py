@@ -289,7 +289,9 @@ def measure(mode: str, args, prompts: list[str], logs: Path, samples: dict, repo
         # loaded as the default target, so that its default draft is the shipped one
         policy, dtype = OURS[mode]
         prefix = 0 if args.prefix_cache == "off" else None
-        ours = argparse.Namespace(**{**vars(args), "target": args.our_target, "dtype": dtype, "prefix_cache_mib": prefix})
+        ours = argparse.Namespace(
+            **{**vars(args), "target": args.our_target, "dtype": dtype, "prefix_cache_mib": prefix}
+        )
         proc, url = start_server(policy, ours, log)
     try:
         report["startup_seconds"][mode] = time.perf_counter() - started

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_chunked_prefill import _mismatches, _run, _slots_in_order
 
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf._transformers import forward_with_features
@@ -22,7 +23,6 @@ from dspark_hf.decoding.prefix_cache import PREFIX_BLOCK, PrefixCache, PrefixPro
 from dspark_hf.kernels import build, use_kernels
 
 from helpers import make_aligned_draft, make_target
-from test_chunked_prefill import _mismatches, _run, _slots_in_order
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
