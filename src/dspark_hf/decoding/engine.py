@@ -515,7 +515,7 @@ class DSparkEngine:
         req.prefix, features = self.prefix_cache.restore(req.prompt, self._kv, req.kv.slot)
         req.prefilled = req.prefix.cached
         if features is not None and self.speculate:  # the draft reads these tokens' features like any others
-            req.draft.pending.append(features)
+            req.draft.hold(features)
         self.metrics.prefix_cache_queried_tokens += len(req.prompt)
         self.metrics.prefix_cache_hit_tokens += req.prefix.cached
 
@@ -532,7 +532,7 @@ class DSparkEngine:
         for i, (req, chunk) in enumerate(zip(rows, chunks)):
             req.prefilled += len(chunk)
             if self.speculate:  # in order, chunk by chunk; ingested by the draft when it next drafts
-                req.draft.pending.append(out.features[i])
+                req.draft.hold(out.features[i])
             if req.prefix is not None:  # the blocks this chunk completed, for later prompts that begin alike
                 feats = out.features[i] if self.speculate else None
                 self.prefix_cache.extend(req.prefix, req.prompt, req.prefilled, self._kv, req.kv.slot, feats)
@@ -587,7 +587,7 @@ class DSparkEngine:
         computed = len(rows) * max(map(len, rows)) if out.layout == "padded" else sum(map(len, rows))
         if self.speculate:  # the committed tokens' features wait for the draft's next drafting round
             for i, req in enumerate(reqs):
-                req.draft.pending.append(out.features[i][: accepted[i] + 1])
+                req.draft.hold(out.features[i][: accepted[i] + 1])
             # the forward's time against all the tokens it computed (prefill chunks riding along included)
             seconds = time.perf_counter() - t1
             self.speculator.observe([r.draft for r in reqs], proposal, accepted, computed + riding, seconds)
@@ -683,7 +683,7 @@ class DSparkEngine:
         self._kv.free(req.kv.slot)
         if req.dkv is not None:
             self._dkv.free(req.dkv.slot)
-            req.draft.pending = []
+            req.draft.drop_pending()
 
     def _compact(self) -> None:
         """Close the holes finished requests left in the slot stores (moves only the rows that fill them), put the

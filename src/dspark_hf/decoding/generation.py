@@ -202,7 +202,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 f"Context bookkeeping error: {n_new} newly committed tokens but the target returned hidden "
                 f"states for {feats.shape[0]}."
             )
-        self.row.pending.append(feats)
+        self.row.hold(feats)
 
     def _unread_tokens(self) -> torch.Tensor:
         """The tokens committed since prompt lookup last searched, on the device (the whole sequence at the first

@@ -59,10 +59,17 @@ class DraftRow:
     stats: GenerationStats | None = None
     pending: list[torch.Tensor] = field(default_factory=list)  # committed target features not yet ingested
     lookup: LookupIndex | None = None
+    pending_tokens: int = 0  # tokens in `pending` (kept by `hold` and `drop_pending`, read every round)
 
-    @property
-    def pending_tokens(self) -> int:
-        return sum(f.shape[0] for f in self.pending)
+    def hold(self, features: torch.Tensor) -> None:
+        """Keep committed tokens' target features `[n, F]` until the draft next ingests."""
+        self.pending.append(features)
+        self.pending_tokens += features.shape[0]
+
+    def drop_pending(self) -> None:
+        """Forget the held features (ingested, or the row is gone)."""
+        self.pending = []
+        self.pending_tokens = 0
 
 
 @dataclass
@@ -246,7 +253,7 @@ class Speculator:
         stores, _, slots = _stores(rows)
         self.backends[0].ingest(stores, features, slots)
         for row in rows:
-            row.pending = []
+            row.drop_pending()
         return (time.perf_counter() - start) * (1 - latest / total)
 
     def _undrafted(self, rows, source: str, tokens: list[list[int]], budgets, started: float) -> Proposal:

@@ -663,6 +663,21 @@ void round_to_bf16_(torch::Tensor t) {
     for (int64_t i = begin; i < end; ++i) p[i] = bf16_value(kv_bits(p[i]));
   });
 }
+// Rows of the next attention unit's keys or values, brought toward the core's L2 cache a few at a time while this
+// unit computes (a decoding step reads every row's cache once, from memory; prefetches change no value).
+struct Ahead {
+  const char* base = nullptr;
+  int64_t stride = 0, row = 0, next = 0, n = 0;  // bytes between rows, bytes of a row, next row, rows
+  inline void fetch(int64_t rows) {
+#if defined(__GNUC__)
+    for (const int64_t end = std::min(n, next + rows); next < end; ++next)
+      for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(base + next * stride + b, 0, 2);
+#else
+    (void)rows;
+#endif
+  }
+};
+
 // A query's raw score against a key over the head dimension D: 16 partial sums, lane l the fma chain over
 // d = l, l + 16, l + 32, ... in ascending order (a zero-padded last chunk), then one fixed tree over the 16 lanes:
 // u[l] = p[l] + p[l + 8], v[l] = u[l] + u[l + 4], w[l] = v[l] + v[l + 2], score = w[0] + w[1]. The AVX-512 build
@@ -744,10 +759,11 @@ inline __m512 reduce_keys16(const __m512* a) {
 
 // Raw scores of one query against keys 0 .. n - 1 (key j at kb + j * kstride), C = D / 16 chunks held in registers.
 template <int C, typename T>
-inline void score_keys16(const float* q, const T* kb, int64_t kstride, int64_t n, float* out) {
+inline void score_keys16(const float* q, const T* kb, int64_t kstride, int64_t n, float* out, Ahead& ahead) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    ahead.fetch(16);
     const int64_t m = std::min<int64_t>(16, n - j0);
     __m512 acc[16];
     for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
@@ -769,11 +785,12 @@ inline void score_keys16(const float* q, const T* kb, int64_t kstride, int64_t n
 
 // Raw scores of one query (q, D floats) against keys 0 .. n - 1.
 template <typename T>
-inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, int64_t D, float* out) {
+inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, int64_t D, float* out, Ahead& ahead) {
 #if defined(__AVX512F__)
-  if (D == 64) return score_keys16<4>(q, kb, kstride, n, out);
-  if (D == 128) return score_keys16<8>(q, kb, kstride, n, out);
+  if (D == 64) return score_keys16<4>(q, kb, kstride, n, out, ahead);
+  if (D == 128) return score_keys16<8>(q, kb, kstride, n, out, ahead);
 #endif
+  ahead.fetch(n);
   // the chains lane by lane (a skipped padded lane is the fma with zeros: the chains start at +0 and never reach -0)
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = kb + j * kstride;
@@ -804,8 +821,9 @@ inline void exp_weights(const float* s, float mx, int64_t n, float* p) {
 // chains are its own (the values are loaded once for the Q queries); NV vectors of GV lanes per value row.
 template <int NV, int Q, typename T>
 inline void weighted_values_shared(const float* const* p, int64_t jn, const T* vb, int64_t vstride, gvec (*acc)[NV],
-                                   float* denom) {
+                                   float* denom, Ahead& ahead) {
   for (int64_t j = 0; j < jn; ++j) {
+    ahead.fetch(1);
     const T* vj = vb + j * vstride;
     gvec vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = kv_load(vj + c * GV);
@@ -855,7 +873,7 @@ inline void weighted_values_any(const float* p, const char* seen, int64_t jend, 
 // each finishes alone. Only with NV * GV == D.
 template <int NV, typename T>
 void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const int64_t* jend, const int64_t* jfull,
-                 const bool* live, const T* vb, int64_t vstride, float* const* outr) {
+                 const bool* live, const T* vb, int64_t vstride, float* const* outr, Ahead& ahead) {
   for (int64_t g = 0; g < nq; g += 4) {
     const int64_t gn = std::min<int64_t>(4, nq - g);
     int64_t jn = std::numeric_limits<int64_t>::max();
@@ -866,10 +884,10 @@ void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const i
       for (int c = 0; c < NV; ++c) acc[r][c] = gzero();
     const float* pg[4] = {pr[g], gn > 1 ? pr[g + 1] : nullptr, gn > 2 ? pr[g + 2] : nullptr, gn > 3 ? pr[g + 3] : nullptr};
     if (jn > 0) {
-      if (gn == 4) weighted_values_shared<NV, 4, T>(pg, jn, vb, vstride, acc, denom);
-      else if (gn == 3) weighted_values_shared<NV, 3, T>(pg, jn, vb, vstride, acc, denom);
-      else if (gn == 2) weighted_values_shared<NV, 2, T>(pg, jn, vb, vstride, acc, denom);
-      else weighted_values_shared<NV, 1, T>(pg, jn, vb, vstride, acc, denom);
+      if (gn == 4) weighted_values_shared<NV, 4, T>(pg, jn, vb, vstride, acc, denom, ahead);
+      else if (gn == 3) weighted_values_shared<NV, 3, T>(pg, jn, vb, vstride, acc, denom, ahead);
+      else if (gn == 2) weighted_values_shared<NV, 2, T>(pg, jn, vb, vstride, acc, denom, ahead);
+      else weighted_values_shared<NV, 1, T>(pg, jn, vb, vstride, acc, denom, ahead);
     } else {
       jn = 0;
     }
@@ -878,6 +896,7 @@ void unit_values(int64_t nq, float* const* pr, const char* const* seenr, const i
       weighted_values_rest<NV, T>(pr[r], seenr[r], jn, jend[r], vb, vstride, acc[r - g], denom[r - g], outr[r]);
     }
   }
+  ahead.fetch(ahead.n);
 }
 
 // Scratch of one thread's attention units: per query a row of `stride` scores, weights and visible-key flags.
@@ -905,14 +924,14 @@ struct AttnScratch {
 // operations of one query.
 template <typename T>
 void attend_unit(int64_t nq, AttnScratch& a, const T* kb, int64_t kstride, const T* vb, int64_t vstride, int64_t D,
-                 float sc) {
+                 float sc, Ahead next_k = {}, Ahead next_v = {}) {
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t e = a.jend[r];
     const char* sr = a.seen_row(r);
     float* s = a.scores.data() + r * a.stride;
     a.seenr[r] = sr;
     a.pr[r] = a.weights.data() + r * a.stride;
-    score_keys(a.qr[r], kb, kstride, e, D, s);
+    score_keys(a.qr[r], kb, kstride, e, D, s, next_k);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < e; ++j) {
       s[j] = s[j] * sc;
@@ -925,14 +944,17 @@ void attend_unit(int64_t nq, AttnScratch& a, const T* kb, int64_t kstride, const
     }
     exp_weights(s, mx, e, a.pr[r]);
   }
+  next_k.fetch(next_k.n);
   const bool* live = reinterpret_cast<const bool*>(a.live.data());
   if (D == 4 * GV)
-    unit_values<4, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
+    unit_values<4, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data(), next_v);
   else if (D == 8 * GV)
-    unit_values<8, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data());
-  else
+    unit_values<8, T>(nq, a.pr.data(), a.seenr.data(), a.jend.data(), a.jfull.data(), live, vb, vstride, a.outr.data(), next_v);
+  else {
+    next_v.fetch(next_v.n);
     for (int64_t r = 0; r < nq; ++r)
       if (live[r]) weighted_values_any(a.pr[r], a.seenr[r], a.jend[r], vb, vstride, D, a.outr[r]);
+  }
 }
 
 constexpr int64_t kUnitPositions = 4;  // query positions per attention unit (with all heads of one kv head)
@@ -1013,7 +1035,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
         a.qr[r] = qp + b * qs[0] + h * qs[1] + i * qs[2];
         a.outr[r] = op + ((b * Lq + i) * Hq + h) * D;
       }
-      attend_unit(nq, a, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], D, sc);
+      Ahead nk, nv;
+      if (idx + 1 < end) {  // the thread's next unit: its keys and values, rows 0 .. its last position's past
+        const int64_t b2 = (idx + 1) / (Hkv * groups), hk2 = ((idx + 1) / groups) % Hkv;
+        const int64_t last = std::min<int64_t>(((idx + 1) % groups) * kUnitPositions + kUnitPositions, Lq) - 1;
+        const int64_t rows = has_mask ? Lk : std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + last + 1));
+        const int64_t width = D * static_cast<int64_t>(sizeof(*kp));
+        nk = {reinterpret_cast<const char*>(kp + b2 * ks[0] + hk2 * ks[1]), ks[2] * static_cast<int64_t>(sizeof(*kp)), width, 0, rows};
+        nv = {reinterpret_cast<const char*>(vp + b2 * vs[0] + hk2 * vs[1]), vs[2] * static_cast<int64_t>(sizeof(*vp)), width, 0, rows};
+      }
+      attend_unit(nq, a, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], D, sc, nk, nv);
     }
   });
   };
@@ -1077,7 +1108,16 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
         a.qr[r] = qp + h * qs[1] + row * qs[2];
         a.outr[r] = op + (row * Hq + h) * D;
       }
-      attend_unit(nq, a, kp + slots[s] * ks[0] + hk * ks[1], ks[2], vp + slots[s] * vs[0] + hk * vs[1], vs[2], D, sc);
+      Ahead nk, nv;
+      if (idx + 1 < end) {  // the thread's next unit: its keys and values, rows 0 .. its last position's past
+        const int64_t u2 = (idx + 1) / Hkv, hk2 = (idx + 1) % Hkv, s2 = unit_seg[u2];
+        const int64_t rows = pasts[s2] + std::min<int64_t>(unit_first[u2] + kUnitPositions, lens[s2]);
+        const int64_t width = D * static_cast<int64_t>(sizeof(*kp));
+        nk = {reinterpret_cast<const char*>(kp + slots[s2] * ks[0] + hk2 * ks[1]), ks[2] * static_cast<int64_t>(sizeof(*kp)), width, 0, rows};
+        nv = {reinterpret_cast<const char*>(vp + slots[s2] * vs[0] + hk2 * vs[1]), vs[2] * static_cast<int64_t>(sizeof(*vp)), width, 0, rows};
+      }
+      attend_unit(nq, a, kp + slots[s] * ks[0] + hk * ks[1], ks[2], vp + slots[s] * vs[0] + hk * vs[1], vs[2], D, sc,
+                  nk, nv);
     }
   });
   };
