@@ -43,6 +43,7 @@ FUNCTIONS = (
     "draft_ingest",
     "draft_block_run",
     "markov_greedy",
+    "round_to_bf16_",
 )
 
 #: The C++ sources, compiled as one translation unit in this order (the second calls the first's helpers).

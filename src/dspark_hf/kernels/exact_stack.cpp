@@ -142,6 +142,7 @@ std::vector<torch::Tensor> stack_run_varlen(int64_t handle, torch::Tensor x, tor
   const int64_t N = x.size(0), D = cos.size(1), S = static_cast<int64_t>(slots.size());
   const torch::Tensor cos3 = cos.unsqueeze(0), sin3 = sin.unsqueeze(0);
   std::vector<torch::Tensor> out(1);
+  std::vector<int64_t> seg_of(N), pos_of(N);  // each packed row's sequence and position
   for (int64_t i = 0; i < n; ++i) {
     const StackLayer& L = (*stack)[i];
     torch::Tensor& kb = kbufs[i];
@@ -161,8 +162,7 @@ std::vector<torch::Tensor> stack_run_varlen(int64_t handle, torch::Tensor x, tor
     // a row of D values into a buffer: copied into float32, or (already bf16 values) as their bf16 bits
     auto put = [&](const torch::Tensor& buf, int64_t offset, const float* src) {
       if (kv16) {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(buf.data_ptr()) + offset;
-        for (int64_t d = 0; d < D; ++d) dst[d] = kv_bits(src[d]);
+        kv_bits_row(src, D, reinterpret_cast<uint16_t*>(buf.data_ptr()) + offset);
       } else {
         std::memcpy(buf.data_ptr<float>() + offset, src, D * sizeof(float));
       }
@@ -171,13 +171,20 @@ std::vector<torch::Tensor> stack_run_varlen(int64_t handle, torch::Tensor x, tor
     for (int64_t s = 0; s < S; ++s) {
       TORCH_CHECK(0 <= slots[s] && slots[s] < kb.size(0) && pasts[s] >= 0 && pasts[s] + lens[s] <= kb.size(2),
                   "exact stack_run_varlen: no room in the KV buffers");
-      for (int64_t t = 0; t < lens[s]; ++t, ++row)
-        for (int64_t h = 0; h < L.hkv; ++h) {
-          put(kb, slots[s] * kst[0] + h * kst[1] + (pasts[s] + t) * kst[2], kp + (h * N + row) * D);
-          put(vb, slots[s] * vst[0] + h * vst[1] + (pasts[s] + t) * vst[2], vp + (row * L.hkv + h) * D);
-        }
+      for (int64_t t = 0; t < lens[s]; ++t, ++row) {
+        seg_of[row] = s;
+        pos_of[row] = pasts[s] + t;
+      }
     }
     TORCH_CHECK(row == N, "exact stack_run_varlen: the sequences' rows must add up to x's");
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // every row's own cells: any split, same bits
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t h = 0; h < L.hkv; ++h) {
+          const int64_t s = seg_of[r], at = pos_of[r];
+          put(kb, slots[s] * kst[0] + h * kst[1] + at * kst[2], kp + (h * N + r) * D);
+          put(vb, slots[s] * vst[0] + h * vst[1] + at * vst[2], vp + (r * L.hkv + h) * D);
+        }
+    });
     const torch::Tensor a = attention_segments(qkv[0], kb, vb, slots, pasts, lens, L.scale);
     x = post_attention(x, a, L.wo, L.bo, L.ln_post, L.eps_post, L.wg, L.bg, L.wu, L.bu, L.wd, L.bd, precision);
     for (int64_t r : record) {
