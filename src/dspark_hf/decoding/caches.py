@@ -266,9 +266,11 @@ class SlotKV:
 
     def write_prefix(self, slot: int, kv: torch.Tensor) -> None:
         """Set `slot` (an empty row) to `n` tokens: `kv` `[2 * layers, kv_heads, n, head_dim]` holds layer `i`'s
-        keys at `2i` and its values at `2i + 1` (the [`PrefixCache`]'s blocks)."""
+        keys at `2i` and its values at `2i + 1` (the [`PrefixCache`]'s blocks). Unallocated buffers are shaped and
+        typed after `kv`."""
         n = kv.shape[2]
-        self.reserve(n)
+        like = None if self._keys else [(kv[2 * i][None], kv[2 * i + 1][None]) for i in range(kv.shape[0] // 2)]
+        self.reserve(n, like=like)
         for i, (buf_k, buf_v) in enumerate(zip(self._keys, self._values)):
             buf_k[slot, :, :n] = kv[2 * i]
             buf_v[slot, :, :n] = kv[2 * i + 1]

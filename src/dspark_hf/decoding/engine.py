@@ -492,7 +492,9 @@ class DSparkEngine:
 
     def _prefill_chunks(self, reqs: list[Request], stack) -> tuple[list[Request], list[list[int]]]:
         """The requests of this round's prefill and their chunks: oldest request first, at most
-        `max_prefill_tokens` tokens in all (a padded forward counts its padding: rows x width)."""
+        `max_prefill_tokens` tokens in all (a padded forward counts its padding: rows x width). A request about to
+        get its first chunk first takes its prompt's cached beginning from the prefix cache ([`_restore`]), so
+        its chunk starts after it."""
         budget, rows, chunks, width, used = self.max_prefill_tokens, [], [], 0, 0
         for req in sorted(reqs, key=lambda r: r.rid):  # admission order
             if req.prefix is None and self.prefix_cache is not None:
@@ -536,8 +538,6 @@ class DSparkEngine:
             if req.prefix is not None:  # the blocks this chunk completed, for later prompts that begin alike
                 feats = out.features[i] if self.speculate else None
                 self.prefix_cache.extend(req.prefix, req.prompt, req.prefilled, self._kv, req.kv.slot, feats)
-                if self._decodes(req):
-                    req.prefix.tail = None  # the last partial block is never cached
             if self._decodes(req):  # its last chunk: the prompt's last logits give the first token
                 logits = req.sampler.process(req.prompt, out.logits[i])
                 firsts.append((req, req.sampler.pick(logits[0])))

@@ -104,11 +104,7 @@ class PrefixCache:
             return PrefixProgress(), None
         self._touch([b.id for b in chain])
         n = len(chain) * self.block_size
-        kv = torch.cat([b.kv for b in chain], dim=2) if len(chain) > 1 else chain[0].kv
-        if not store.allocated:
-            layers = kv.shape[0] // 2
-            store.reserve(n, like=[(kv[2 * i][None], kv[2 * i + 1][None]) for i in range(layers)])
-        store.write_prefix(slot, kv)
+        store.write_prefix(slot, torch.cat([b.kv for b in chain], dim=2) if len(chain) > 1 else chain[0].kv)
         features = None
         if chain[0].features is not None:
             features = torch.cat([b.features for b in chain]) if len(chain) > 1 else chain[0].features
@@ -125,9 +121,15 @@ class PrefixCache:
         features: torch.Tensor | None = None,
     ) -> None:
         """After a chunk of `prompt` is committed (its first `prefilled` tokens are now in `slot`): cache the
-        whole blocks it completed. `features`: the chunk's target features (with a draft), in order."""
+        whole blocks it completed. `features`: the chunk's target features (with a draft), in order. After the
+        last chunk the features of the last partial block, never cached, are let go."""
         if features is not None:
             progress.tail = features if progress.tail is None else torch.cat([progress.tail, features])
+        self._extend(progress, prompt, prefilled, store, slot)
+        if prefilled == len(prompt):
+            progress.tail = None
+
+    def _extend(self, progress: PrefixProgress, prompt: list[int], prefilled: int, store: SlotKV, slot: int) -> None:
         stop = prefilled // self.block_size * self.block_size
         if stop <= progress.cached or self.max_bytes == 0:
             return

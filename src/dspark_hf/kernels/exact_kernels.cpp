@@ -696,6 +696,12 @@ void round_to_bf16_(torch::Tensor t) {
 struct Ahead {
   const char* base = nullptr;
   int64_t stride = 0, row = 0, next = 0, n = 0;  // bytes between rows, bytes of a row, next row, rows
+  // rows 0 .. n - 1 of D elements of T, row j at p + j * stride
+  template <typename T>
+  static Ahead of(const T* p, int64_t stride, int64_t D, int64_t n) {
+    const int64_t size = static_cast<int64_t>(sizeof(T));
+    return {reinterpret_cast<const char*>(p), stride * size, D * size, 0, n};
+  }
   inline void fetch(int64_t rows) {
 #if defined(__GNUC__)
     for (const int64_t end = std::min(n, next + rows); next < end; ++next)
@@ -1068,9 +1074,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
         const int64_t b2 = (idx + 1) / (Hkv * groups), hk2 = ((idx + 1) / groups) % Hkv;
         const int64_t last = std::min<int64_t>(((idx + 1) % groups) * kUnitPositions + kUnitPositions, Lq) - 1;
         const int64_t rows = has_mask ? Lk : std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + last + 1));
-        const int64_t width = D * static_cast<int64_t>(sizeof(*kp));
-        nk = {reinterpret_cast<const char*>(kp + b2 * ks[0] + hk2 * ks[1]), ks[2] * static_cast<int64_t>(sizeof(*kp)), width, 0, rows};
-        nv = {reinterpret_cast<const char*>(vp + b2 * vs[0] + hk2 * vs[1]), vs[2] * static_cast<int64_t>(sizeof(*vp)), width, 0, rows};
+        nk = Ahead::of(kp + b2 * ks[0] + hk2 * ks[1], ks[2], D, rows);
+        nv = Ahead::of(vp + b2 * vs[0] + hk2 * vs[1], vs[2], D, rows);
       }
       attend_unit(nq, a, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], D, sc, nk, nv);
     }
@@ -1140,9 +1145,8 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
       if (idx + 1 < end) {  // the thread's next unit: its keys and values, rows 0 .. its last position's past
         const int64_t u2 = (idx + 1) / Hkv, hk2 = (idx + 1) % Hkv, s2 = unit_seg[u2];
         const int64_t rows = pasts[s2] + std::min<int64_t>(unit_first[u2] + kUnitPositions, lens[s2]);
-        const int64_t width = D * static_cast<int64_t>(sizeof(*kp));
-        nk = {reinterpret_cast<const char*>(kp + slots[s2] * ks[0] + hk2 * ks[1]), ks[2] * static_cast<int64_t>(sizeof(*kp)), width, 0, rows};
-        nv = {reinterpret_cast<const char*>(vp + slots[s2] * vs[0] + hk2 * vs[1]), vs[2] * static_cast<int64_t>(sizeof(*vp)), width, 0, rows};
+        nk = Ahead::of(kp + slots[s2] * ks[0] + hk2 * ks[1], ks[2], D, rows);
+        nv = Ahead::of(vp + slots[s2] * vs[0] + hk2 * vs[1], vs[2], D, rows);
       }
       attend_unit(nq, a, kp + slots[s] * ks[0] + hk * ks[1], ks[2], vp + slots[s] * vs[0] + hk * vs[1], vs[2], D, sc,
                   nk, nv);
