@@ -526,11 +526,12 @@ void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<Linear
   }
   // each row of x rounded to bf16 once, as k pairs (an odd K's last pair padded with a zero)
   const int64_t K2 = (K + 1) / 2;
-  std::vector<uint16_t> xb(static_cast<size_t>(M * 2 * K2));
+  // left uninitialised (a value-initialised vector would zero it on this thread alone): every element is written
+  const std::unique_ptr<uint16_t[]> xb(new uint16_t[static_cast<size_t>(M * 2 * K2)]);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* src = xp + m * K;
-      uint16_t* dst = xb.data() + m * 2 * K2;
+      uint16_t* dst = xb.get() + m * 2 * K2;
       int64_t k = 0;
 #if defined(__AVX512F__)
       for (; k + 16 <= K; k += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), bf16_bits16(src + k));
@@ -543,7 +544,7 @@ void run_linears(const float* xp, int64_t M, int64_t K, const std::vector<Linear
   const bool native = precision == Precision::bf16 && bf16_native_build();
   run_panels(M, block_rows, jobs, first, [&](size_t j, int64_t p, int64_t m, int64_t R, float* tmp) {
     const uint16_t* panel = reinterpret_cast<const uint16_t*>(packs[j].data_ptr<at::BFloat16>()) + p * K2 * GNR * 2;
-    const uint16_t* x = xb.data() + m * 2 * K2;
+    const uint16_t* x = xb.get() + m * 2 * K2;
 #ifdef DSPARK_BF16_NATIVE
     if (native) {
       with_rows(R, [&](auto r) { gemm_tile_bf16<decltype(r)::value>(x, K2, panel, K2, tmp); });
@@ -835,6 +836,84 @@ inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, 
   }
 }
 
+#if defined(__AVX512F__)
+// The raw scores of a unit's nq queries (query r against keys 0 .. e[r] - 1, into s + r * stride), 16 keys at a
+// time: each block of keys is read, and widened from bf16, once for all the queries (into an L1-resident copy),
+// then each query runs score_keys16's chains over it. Which queries share a block changes no query's operations.
+template <int C, typename T>
+inline void score_unit16(int64_t nq, const float* const* q, const int64_t* e, const T* kb, int64_t kstride, float* s,
+                         int64_t stride, Ahead& ahead) {
+  constexpr int64_t D = 16 * C;
+  alignas(64) float blk[16 * D];
+  int64_t n = 0;
+  for (int64_t r = 0; r < nq; ++r) n = std::max(n, e[r]);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    ahead.fetch(16);
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    const float* k0;
+    int64_t ks;
+    if constexpr (std::is_same<T, float>::value) {
+      k0 = kb + j0 * kstride;
+      ks = kstride;
+    } else {
+      for (int64_t kk = 0; kk < m; ++kk)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(blk + kk * D + 16 * c, kv_load16(kb + (j0 + kk) * kstride + 16 * c));
+      k0 = blk;
+      ks = D;
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      const int64_t mr = std::min<int64_t>(16, e[r] - j0);
+      if (mr <= 0) continue;
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q[r] + 16 * c);
+      __m512 acc[16];
+      for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
+      float* out = s + r * stride + j0;
+      if (mr == 16) {
+        for (int kk = 0; kk < 16; ++kk)
+          for (int c = 0; c < C; ++c) acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * ks + 16 * c), acc[kk]);
+        _mm512_storeu_ps(out, reduce_keys16(acc));
+      } else {
+        for (int c = 0; c < C; ++c)
+          for (int64_t kk = 0; kk < mr; ++kk)
+            acc[kk] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + kk * ks + 16 * c), acc[kk]);
+        _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << mr) - 1), reduce_keys16(acc));
+      }
+    }
+  }
+}
+#endif
+
+// s[j] = s[j] * sc for j < e, and the largest of them (a NaN never is; -inf when there is none): the maximum over
+// keys that are all visible. Vectorised, the same value as the scalar scan (the sign of a zero maximum may differ,
+// which no exp_weight(s - max) can tell apart).
+inline float scale_max(float* s, int64_t e, float sc) {
+  int64_t j = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const __m512 scv = _mm512_set1_ps(sc);
+  __m512 mv = _mm512_set1_ps(mx);
+  for (; j + 16 <= e; j += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), scv);
+    _mm512_storeu_ps(s + j, x);
+    mv = _mm512_max_ps(x, mv);  // a NaN in x leaves mv's lane (the second operand) as it was
+  }
+  if (j < e) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (e - j)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), scv);
+    _mm512_mask_storeu_ps(s + j, k, x);
+    mv = _mm512_mask_max_ps(mv, k, x, mv);
+    j = e;
+  }
+  mx = _mm512_reduce_max_ps(mv);
+#endif
+  for (; j < e; ++j) {
+    s[j] = s[j] * sc;
+    if (s[j] > mx) mx = s[j];
+  }
+  return mx;
+}
+
 // p[j] = exp_weight(s[j] - mx) for j < n.
 inline void exp_weights(const float* s, float mx, int64_t n, float* p) {
   int64_t j = 0;
@@ -959,17 +1038,29 @@ struct AttnScratch {
 template <typename T>
 void attend_unit(int64_t nq, AttnScratch& a, const T* kb, int64_t kstride, const T* vb, int64_t vstride, int64_t D,
                  float sc, Ahead next_k = {}, Ahead next_v = {}) {
+  bool scored = false;
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    if (D == 64) score_unit16<4>(nq, a.qr.data(), a.jend.data(), kb, kstride, a.scores.data(), a.stride, next_k);
+    else score_unit16<8>(nq, a.qr.data(), a.jend.data(), kb, kstride, a.scores.data(), a.stride, next_k);
+    scored = true;
+  }
+#endif
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t e = a.jend[r];
     const char* sr = a.seen_row(r);
     float* s = a.scores.data() + r * a.stride;
     a.seenr[r] = sr;
     a.pr[r] = a.weights.data() + r * a.stride;
-    score_keys(a.qr[r], kb, kstride, e, D, s, next_k);
+    if (!scored) score_keys(a.qr[r], kb, kstride, e, D, s, next_k);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < e; ++j) {
-      s[j] = s[j] * sc;
-      if (sr[j] && s[j] > mx) mx = s[j];
+    if (a.jfull[r] == e) {  // every key below e visible
+      mx = scale_max(s, e, sc);
+    } else {
+      for (int64_t j = 0; j < e; ++j) {
+        s[j] = s[j] * sc;
+        if (sr[j] && s[j] > mx) mx = s[j];
+      }
     }
     a.live[r] = mx != -std::numeric_limits<float>::infinity();
     if (!a.live[r]) {  // nothing visible (a fully padded row): zeros
@@ -1160,8 +1251,11 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
 
 // The small per-row operations of a decoder layer, so that the exact mode's lean layer path
 // (dspark_hf/kernels/lean.py) runs them in one call each instead of several PyTorch operations. Like the
-// kernels above, each output element depends only on its own row and is computed in a fixed order; they run
-// on the calling thread (their work is far below what an OpenMP region's start-up costs).
+// kernels above, each output element depends only on its own row and is computed in a fixed order. A call of a few
+// rows runs on the calling thread (its work is below what an OpenMP region's start-up costs); a prefill chunk's
+// hundreds of rows are split over the threads (row_grain), which changes no row's operations.
+constexpr int64_t kRowGrainElements = 32768;
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kRowGrainElements / std::max<int64_t>(width, 1)); }
 
 // RMSNorm over the last dimension: out[m, n] = w[n] * (x[m, n] * (1 / sqrt(sum_n x[m, n]^2 / N + eps))). The sum of
 // squares is attention's fixed-order 8-lane dot product.
@@ -1176,15 +1270,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * N;
-    const float* xs[1] = {row};
-    float ss;
-    dot_tile<1, 1>(xs, xs, N, &ss, 1, nullptr);
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
-    float* o = op + m * N;
-    for (int64_t n = 0; n < N; ++n) o[n] = wp[n] * (row[n] * r);
-  }
+  at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * N;
+      const float* xs[1] = {row};
+      float ss;
+      dot_tile<1, 1>(xs, xs, N, &ss, 1, nullptr);
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+      float* o = op + m * N;
+      for (int64_t n = 0; n < N; ++n) o[n] = wp[n] * (row[n] * r);
+    }
+  });
   return out;
 }
 
@@ -1207,9 +1303,10 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t cb = cos.size(0) == 1 ? 0 : b;
+  const bool shared = cos.size(0) == 1;
+  at::parallel_for(0, B * L, row_grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t bl = begin; bl < end; ++bl) {
+      const int64_t b = bl / L, l = bl % L, cb = shared ? 0 : b;
       const float* c = cp + (cb * L + l) * D;
       const float* s = sp + (cb * L + l) * D;
       for (int64_t h = 0; h < H; ++h) {
@@ -1219,6 +1316,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_
         for (int64_t d = half; d < D; ++d) o[d] = xi[d] * c[d] + xi[d - half] * s[d];
       }
     }
+  });
   return out;
 }
 
