@@ -486,7 +486,7 @@ def accept_greedy_rows(
         [`greedy_accept`] computes it for one row).
     """
     width = max(lengths) + 1
-    choice = torch.stack([nn_pad(row.argmax(dim=-1), width) for row in target_logits])  # [R, width]
+    choice = _row_choices(target_logits, width)  # [R, width]
     if drafts is None or width == 1:
         accepted = torch.zeros(len(lengths), dtype=torch.long, device=choice.device)
     else:
@@ -497,6 +497,25 @@ def accept_greedy_rows(
         accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1)
     bonus = choice.gather(1, accepted[:, None])[:, 0]
     return [(int(n), int(t)) for n, t in torch.stack([accepted, bonus], dim=1).tolist()]  # the host read
+
+
+def _row_choices(target_logits: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Each row's argmax per position, `[R, width]` (a row's positions past its own: any of its values). Rows that
+    are slices of one contiguous logits tensor (the unpadded forward's) take one argmax over that tensor and one
+    index: per row, an argmax of a `[1, V]` call costs as much as one over many rows."""
+    first = target_logits[0]
+    base, vocab = first._base, first.shape[-1]
+    if (
+        base is not None
+        and base.is_contiguous()
+        and base.shape[-1] == vocab
+        and all(row._base is base and row.dim() == 2 and row.is_contiguous() and row.shape[0] for row in target_logits)
+    ):
+        flat = base.view(-1, vocab).argmax(dim=-1)
+        starts = [(row.storage_offset() - base.storage_offset()) // vocab for row in target_logits]
+        index = [[at + min(j, row.shape[0] - 1) for j in range(width)] for at, row in zip(starts, target_logits)]
+        return flat[torch.tensor(index, device=flat.device)]
+    return torch.stack([nn_pad(row.argmax(dim=-1), width) for row in target_logits])
 
 
 def nn_pad(row: torch.Tensor, width: int) -> torch.Tensor:
