@@ -1082,6 +1082,33 @@ void attend_unit(int64_t nq, AttnScratch& a, const T* kb, int64_t kstride, const
   }
 }
 
+// Runs body(begin, end) over units 0 .. cost.size() - 1 split into one contiguous run per thread of about equal total
+// cost (cost[u]: the keys unit u's queries score, plus a fixed share for its set-up), not of equal count: a causal
+// chunk's late units see many more keys than its early ones, and an even split by count left one thread most of
+// the work. Which thread computes a unit changes none of its operations.
+template <class F>
+void parallel_units(const std::vector<int64_t>& cost, const F& body) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n);
+  if (parts <= 1 || at::in_parallel_region()) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  int64_t total = 0;
+  for (int64_t c : cost) total += c;
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t u = 0, acc = 0;
+  for (int64_t t = 1; t < parts; ++t) {  // the first unit at which the running cost reaches t / parts of the total
+    while (u < n && acc * parts < total * t) acc += cost[u++];
+    bounds[t] = u;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (bounds[t] < bounds[t + 1]) body(bounds[t], bounds[t + 1]);
+  });
+}
+
 constexpr int64_t kUnitPositions = 4;  // query positions per attention unit (with all heads of one kv head)
 
 // q [B, Hq, Lq, D], k and v [B, Hkv, Lk, D] (any strides with a contiguous last dim), mask: empty (causal: query
@@ -1131,8 +1158,14 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t ms2 = has_mask ? m.stride(2) : 0, ms3 = has_mask ? m.stride(3) : 0;
   const float sc = static_cast<float>(scale);
   const int64_t groups = (Lq + kUnitPositions - 1) / kUnitPositions;
+  std::vector<int64_t> cost(B * Hkv * groups);
+  for (int64_t idx = 0; idx < B * Hkv * groups; ++idx) {  // keys a unit's queries may see (causal: up to its last)
+    const int64_t last = std::min<int64_t>((idx % groups) * kUnitPositions + kUnitPositions, Lq) - 1;
+    const int64_t keys = has_mask ? Lk : std::max<int64_t>(0, std::min<int64_t>(Lk, Lk - Lq + last + 1));
+    cost[idx] = (std::min<int64_t>(kUnitPositions, Lq - (idx % groups) * kUnitPositions) * rep) * (keys + 16);
+  }
   auto run = [&](auto kp, auto vp) {
-  at::parallel_for(0, B * Hkv * groups, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(cost, [&](int64_t begin, int64_t end) {
     AttnScratch a(kUnitPositions * rep, std::max<int64_t>(Lk, 1));
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / (Hkv * groups), hk = (idx / groups) % Hkv, i0 = (idx % groups) * kUnitPositions;
@@ -1217,8 +1250,13 @@ torch::Tensor attention_segments(torch::Tensor q, torch::Tensor kbuf, torch::Ten
   const auto qs = q.strides(), ks = kbuf.strides(), vs = vbuf.strides();
   const float sc = static_cast<float>(scale);
   const int64_t units = static_cast<int64_t>(unit_seg.size());
+  std::vector<int64_t> cost(units * Hkv);
+  for (int64_t idx = 0; idx < units * Hkv; ++idx) {  // keys a unit's queries see
+    const int64_t u = idx / Hkv, s = unit_seg[u], n = std::min<int64_t>(kUnitPositions, lens[s] - unit_first[u]);
+    cost[idx] = n * rep * (pasts[s] + unit_first[u] + n + 16);
+  }
   auto run = [&](auto kp, auto vp) {
-  at::parallel_for(0, units * Hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(cost, [&](int64_t begin, int64_t end) {
     AttnScratch a(kUnitPositions * rep, widest);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t u = idx / Hkv, hk = idx % Hkv, s = unit_seg[u], i0 = unit_first[u];
