@@ -172,12 +172,20 @@ class SlotKV:
             self._keys, self._values = [], []
         rows = self._keys[0].shape[0] if self._keys else 0
         pairs = [(a, b) for a, b in zip(src, dst) if a < rows]  # a slot never written (still empty) moves no data
-        if pairs:
-            s = torch.tensor([a for a, _ in pairs], device=self._keys[0].device)
-            d = torch.tensor([b for _, b in pairs], device=self._keys[0].device)
-            for buf in self._keys + self._values:
-                buf.index_copy_(0, d, buf.index_select(0, s))
+        self._move([a for a, _ in pairs], [b for _, b in pairs])
         return moved
+
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        """Copy rows `src` into slots `dst` (whose `lengths` are already the moved rows'): only the positions the
+        longest of them holds, one gather and one scatter per buffer."""
+        used = max((self.lengths[b] for b in dst), default=0)
+        if not used or not self._keys:
+            return
+        s = torch.tensor(src, device=self._keys[0].device)
+        d = torch.tensor(dst, device=self._keys[0].device)
+        for buf in self._keys + self._values:
+            held = buf[:, :, :used]  # a view: the scatter writes into the buffer
+            held.index_copy_(0, d, held.index_select(0, s))
 
     def arrange(self, order: list[int]) -> list[tuple[object, int]]:
         """Reorder the live rows: slot `i` gets the row now in slot `order[i]` (`order` a permutation of the live
@@ -195,11 +203,8 @@ class SlotKV:
             self.reserve(self.capacity)  # a row added since the buffers last grew: every live row gets one
         self.owners = [self.owners[src] for src in order]
         self.lengths = [self.lengths[src] for src in order]
-        if data and self._keys:
-            s = torch.tensor([a for a, _ in data], device=self._keys[0].device)
-            d = torch.tensor([b for _, b in data], device=self._keys[0].device)
-            for buf in self._keys + self._values:
-                buf.index_copy_(0, d, buf.index_select(0, s))
+        if data:
+            self._move([a for a, _ in data], [b for _, b in data])
         return [(self.owners[dst], dst) for _, dst in pairs]
 
     def reserve(self, needed: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
