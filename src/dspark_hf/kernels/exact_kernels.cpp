@@ -18,7 +18,8 @@
 //    query may not see are skipped, so a query that sees the first L keys gets the same result whether the cache
 //    holds L or more, and whatever other queries share the call: a prefill of any length, in one call or in
 //    chunks, computes each query as decoding does. Queries that share a key/value head (GQA heads and up to four
-//    positions) share the loads of the keys and values. attention_segments: the same per query for packed rows of
+//    positions) share the loads of the keys (16 at a time, widened once) and of the values; the units are split over
+//    the threads by their cost. attention_segments: the same per query for packed rows of
 //    many sequences, each over its own KV slot (the engine's unpadded forwards).
 //
 //  * rms_norm, rope, silu_mul: the per-row steps of a decoder layer, for the exact mode's lean layer path.
@@ -791,40 +792,12 @@ inline __m512 reduce_keys16(const __m512* a) {
   const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
   return _mm512_permutexvar_ps(order, s);
 }
-
-// Raw scores of one query against keys 0 .. n - 1 (key j at kb + j * kstride), C = D / 16 chunks held in registers.
-template <int C, typename T>
-inline void score_keys16(const float* q, const T* kb, int64_t kstride, int64_t n, float* out, Ahead& ahead) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    ahead.fetch(16);
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    __m512 acc[16];
-    for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
-    const T* k0 = kb + j0 * kstride;
-    if (m == 16) {  // key by key (their rows in address order), each key's chunks in order
-      for (int kk = 0; kk < 16; ++kk)
-        for (int c = 0; c < C; ++c)
-          acc[kk] = _mm512_fmadd_ps(qv[c], kv_load16(k0 + kk * kstride + 16 * c), acc[kk]);
-      _mm512_storeu_ps(out + j0, reduce_keys16(acc));
-    } else {
-      for (int c = 0; c < C; ++c)
-        for (int kk = 0; kk < m; ++kk)
-          acc[kk] = _mm512_fmadd_ps(qv[c], kv_load16(k0 + kk * kstride + 16 * c), acc[kk]);
-      _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), reduce_keys16(acc));
-    }
-  }
-}
 #endif
 
-// Raw scores of one query (q, D floats) against keys 0 .. n - 1.
+// Raw scores of one query (q, D floats) against keys 0 .. n - 1, lane by lane (builds without AVX-512, and head
+// dimensions other than 64 and 128; score_unit16 below runs the same chains 16 lanes at a time).
 template <typename T>
 inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, int64_t D, float* out, Ahead& ahead) {
-#if defined(__AVX512F__)
-  if (D == 64) return score_keys16<4>(q, kb, kstride, n, out, ahead);
-  if (D == 128) return score_keys16<8>(q, kb, kstride, n, out, ahead);
-#endif
   ahead.fetch(n);
   // the chains lane by lane (a skipped padded lane is the fma with zeros: the chains start at +0 and never reach -0)
   for (int64_t j = 0; j < n; ++j) {
@@ -839,7 +812,8 @@ inline void score_keys(const float* q, const T* kb, int64_t kstride, int64_t n, 
 #if defined(__AVX512F__)
 // The raw scores of a unit's nq queries (query r against keys 0 .. e[r] - 1, into s + r * stride), 16 keys at a
 // time: each block of keys is read, and widened from bf16, once for all the queries (into an L1-resident copy),
-// then each query runs score_keys16's chains over it. Which queries share a block changes no query's operations.
+// then each query runs its own chains over it: per key, 16 lanes of fmas over the D / 16 chunks in order, then
+// reduce_keys16's tree. Which queries share a block changes no query's operations.
 template <int C, typename T>
 inline void score_unit16(int64_t nq, const float* const* q, const int64_t* e, const T* kb, int64_t kstride, float* s,
                          int64_t stride, Ahead& ahead) {
