@@ -1,8 +1,9 @@
 """Server-like load in process, the draft's cost under load: two engines on one bf16 target, at the defaults
 (the shipped draft, its policy) and without a draft, alternating in one process; C streams, 2C held-out chat
 prompts, 96 tokens each, the prefix cache emptied before every run. Prints wall and CPU (process) seconds per
-run and the engine's own split. Usage: [KINDS=default,none] [BUDGETS=512,1024] python probe_arrivals_draft.py C
-REPEATS [profile]"""
+run and the engine's own split. Usage: [GC_FREEZE=1] [KINDS=default,none] [BUDGETS=512,1024] python probe_arrivals_draft.py C
+REPEATS [profile]; GC_FREEZE=1 freezes the loaded objects out of the garbage collector first, as `dspark serve`
+does"""
 import cProfile, json, os, pstats, sys, time, torch
 from dspark_hf import DSparkEngine, SamplingParams
 from dspark_hf.default_model import load_default_target, load_draft
@@ -15,6 +16,9 @@ msgs = [[{"role": "user", "content": p}] for p in (prompts * 4)[: 2 * C]]
 budgets = [int(b) for b in os.environ.get("BUDGETS", "512").split(",")]  # max_prefill_tokens per engine
 kinds = os.environ.get("KINDS", "default,none").split(",")
 engines = {f"{k}@{b}": DSparkEngine(target, draft if k == "default" else None, tok, max_batch_size=C, max_prefill_tokens=b) for k in kinds for b in budgets}
+if os.environ.get("GC_FREEZE"):
+    import gc
+    gc.collect(); gc.freeze()
 params = SamplingParams(max_new_tokens=96, ignore_eos=True)
 def run(eng):
     eng.reset_prefix_cache()
