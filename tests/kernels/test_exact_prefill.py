@@ -147,3 +147,35 @@ def test_sdpa_fails_the_attention_check():
     # negative control: torch's SDPA computes a many-query call differently from one-query calls
     bad = sum(_attention_row_mismatches(_sdpa, 64, q_len, 13, False) for q_len in (9, 37, 130))
     assert bad > 0
+
+
+def _per_row_calls(dtype):
+    """Attention of a causal chunk (both entry points: its units go to the threads by cost), RMSNorm and the rotation
+    of a prefill-sized call (split over the threads from ~57 rows), on fixed random inputs."""
+    gen = torch.Generator().manual_seed(5)
+    compiled = build.backend()
+    q = torch.randn(1, 4, 300, 64, generator=gen)
+    k, v = (torch.randn(1, 2, 340, 64, generator=gen).to(dtype) for _ in range(2))
+    kbuf, vbuf = (torch.randn(3, 2, 400, 64, generator=gen).to(dtype) for _ in range(2))
+    x, w = torch.randn(300, 576, generator=gen), torch.randn(576, generator=gen)
+    xr, cos, sin = torch.randn(1, 300, 4 * 64, generator=gen), *torch.randn(2, 1, 300, 64, generator=gen)
+    return [
+        compiled.attention(q, k, v, NO_MASK, 0.125),
+        compiled.attention_segments(q, kbuf, vbuf, [2, 0, 1], [90, 0, 7], [1, 280, 19], 0.125),
+        compiled.rms_norm(x, w, 1e-5),
+        compiled.rope(xr, cos, sin, 4),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_count_changes_no_bit_of_the_per_row_kernels(dtype):
+    old = torch.get_num_threads()
+    try:
+        runs = {}
+        for threads in (1, 2, 3):  # 3: uneven splits
+            torch.set_num_threads(threads)
+            runs[threads] = _per_row_calls(dtype)
+    finally:
+        torch.set_num_threads(old)
+    for threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[threads])), threads
